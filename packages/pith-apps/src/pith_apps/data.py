@@ -1,0 +1,67 @@
+"""Text data -> tokens -> packed training batches.
+
+Text comes in through Hugging Face `datasets` (plain-text or JSON-lines files, one file or a folder of
+them). Documents are tokenized, joined with an end-of-document token into one stream, and each batch
+is a set of windows of that stream at offsets drawn from (seed, step): the sample order is a pure
+function of them, so a resumed run sees exactly the batches an uninterrupted run would have.
+"""
+from pathlib import Path
+
+import torch
+
+from pith_apps.config import ConfigError
+
+DEFAULT_CORPUS = Path(__file__).parent / "corpus" / "tiny_stories.txt"
+BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json"}
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens 0..255 and one end-of-document token (256): needs no download."""
+    vocab_size = 257
+    eos_id = 256
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+def data_files(path: str | Path) -> tuple[str, list[str]]:
+    """The `datasets` builder name and the files for a file or folder path."""
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"dataset path '{path}' does not exist; give a .txt/.jsonl/.json file or a folder of them")
+    files = sorted(p for p in path.iterdir() if p.suffix in BUILDERS) if path.is_dir() else [path]
+    kinds = {BUILDERS.get(p.suffix) for p in files}
+    if not files or None in kinds or len(kinds) > 1:
+        raise ConfigError(f"dataset path '{path}' must be one .txt/.jsonl/.json file or a folder of files of one "
+                          f"of those kinds; found {[p.name for p in files][:5] or 'no such files'}")
+    return kinds.pop(), [str(p) for p in files]
+
+
+def load_token_stream(path: str | Path, tokenizer) -> torch.Tensor:
+    """All documents of the dataset as one int64 stream, documents separated by the eos token."""
+    import datasets  # heavy import: only when data is actually loaded
+
+    builder, files = data_files(path)
+    datasets.disable_progress_bars()
+    dataset = datasets.load_dataset(builder, data_files=files, split="train")
+    if "text" not in dataset.column_names:
+        raise ConfigError(f"dataset '{path}' has columns {dataset.column_names}; a 'text' column is needed")
+    stream = []
+    for text in dataset["text"]:
+        if text:
+            stream.extend(tokenizer.encode(text))
+            stream.append(tokenizer.eos_id)
+    return torch.tensor(stream, dtype=torch.int64)
+
+
+def batch_at(stream: torch.Tensor, step: int, seed: int, batch_size: int, seq_len: int):
+    """(input_ids, labels), each [batch_size, seq_len]: windows of the stream chosen by (seed, step)."""
+    if stream.numel() <= seq_len + 1:
+        raise ConfigError(f"dataset has {stream.numel()} tokens, fewer than seq_len + 2 = {seq_len + 2}")
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    starts = torch.randint(0, stream.numel() - seq_len - 1, (batch_size,), generator=generator)
+    windows = torch.stack([stream[s:s + seq_len + 1] for s in starts.tolist()])
+    return windows[:, :-1], windows[:, 1:]

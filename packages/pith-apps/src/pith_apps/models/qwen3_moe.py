@@ -1,0 +1,193 @@
+"""Qwen3-MoE (Hugging Face model_type "qwen3_moe"; Qwen3-30B-A3B and its tiny relatives).
+
+Parameter names mirror the Hugging Face checkpoint (model.layers.N.self_attn.q_proj.weight, ...), except
+that each layer's experts are stacked: mlp.experts.gate_up_proj [E, 2 * moe_intermediate, hidden] (gate
+rows first, then up) and mlp.experts.down_proj [E, hidden, moe_intermediate].
+
+Each decoder layer is cut into the stages of docs/architecture.md: attention_stage (norms, attention,
+router), expert_stage (grouped GEMM SwiGLU), aggregate_stage (weighted sum and residual);
+pith_engine.moe runs dispatch and combine between them.
+"""
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pith_apps.config import config_from_dict, require
+from pith_engine.moe import Routing, attach_aux_loss, run_moe_layer
+from pith_ops.grouped_gemm import grouped_linear
+from pith_ops.swiglu import swiglu
+
+
+@dataclass
+class Qwen3MoeConfig:
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    moe_intermediate_size: int
+    num_experts: int
+    num_experts_per_tok: int
+    norm_topk_prob: bool = True
+    rope_theta: float = 1e6
+    rms_norm_eps: float = 1e-6
+    router_aux_loss_coef: float = 0.001
+    initializer_range: float = 0.02
+    tie_word_embeddings: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list = field(default_factory=list)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Qwen3MoeConfig":
+        cfg = config_from_dict(cls, data, "qwen3_moe")
+        require(cfg.num_attention_heads % cfg.num_key_value_heads == 0,
+                f"config num_attention_heads={cfg.num_attention_heads} must be a multiple of "
+                f"num_key_value_heads={cfg.num_key_value_heads}")
+        require(cfg.num_experts_per_tok <= cfg.num_experts,
+                f"config num_experts_per_tok={cfg.num_experts_per_tok} must be at most num_experts={cfg.num_experts}")
+        require(cfg.head_dim % 2 == 0, f"config head_dim={cfg.head_dim} must be even (rotary embedding)")
+        require(cfg.rope_theta > 0 and cfg.rms_norm_eps > 0,
+                f"config rope_theta={cfg.rope_theta} and rms_norm_eps={cfg.rms_norm_eps} must be > 0")
+        require(not cfg.tie_word_embeddings, "config tie_word_embeddings=true is not supported; valid: false")
+        require(cfg.decoder_sparse_step == 1 and not cfg.mlp_only_layers,
+                f"config decoder_sparse_step={cfg.decoder_sparse_step} / mlp_only_layers={cfg.mlp_only_layers} "
+                "is not supported: every layer must be MoE (decoder_sparse_step 1, mlp_only_layers [])")
+        return cfg
+
+
+class RMSNorm(nn.Module):
+    """Normalize in fp32, cast back to the input dtype, then scale (the Qwen3 order)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        x32 = x.float()
+        return self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    inv_freq = theta ** -(torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+    angles = positions.float()[:, None] * inv_freq[None, :]
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rotary(x, cos, sin):
+    """x [batch, heads, seq, head_dim]; rotate-half (NeoX) layout."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class Qwen3MoeAttention(nn.Module):
+    def __init__(self, cfg: Qwen3MoeConfig):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, self.heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin):
+        batch, seq, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(batch, seq, self.heads, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(batch, seq, self.kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(batch, seq, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, scale=self.head_dim ** -0.5)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class Qwen3MoeExperts(nn.Module):
+    def __init__(self, cfg: Qwen3MoeConfig):
+        super().__init__()
+        experts, hidden, inter = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * inter, hidden))
+        self.down_proj = nn.Parameter(torch.empty(experts, hidden, inter))
+
+    def forward(self, x, tokens_per_expert):
+        gate_up = grouped_linear(x, self.gate_up_proj, tokens_per_expert)
+        return grouped_linear(swiglu(gate_up), self.down_proj, tokens_per_expert)
+
+
+class Qwen3MoeSparseBlock(nn.Module):
+    def __init__(self, cfg: Qwen3MoeConfig):
+        super().__init__()
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = Qwen3MoeExperts(cfg)
+
+
+class Qwen3MoeDecoderLayer(nn.Module):
+    def __init__(self, cfg: Qwen3MoeConfig):
+        super().__init__()
+        self.num_experts, self.top_k = cfg.num_experts, cfg.num_experts_per_tok
+        self.norm_topk_prob, self.aux_loss_coef = cfg.norm_topk_prob, cfg.router_aux_loss_coef
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Qwen3MoeAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = Qwen3MoeSparseBlock(cfg)
+
+    def attention_stage(self, x, cos, sin):
+        hidden = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        tokens = self.post_attention_layernorm(hidden).flatten(0, 1)
+        probs = torch.softmax(self.mlp.gate(tokens).float(), dim=-1)
+        weights, expert_ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        hidden = attach_aux_loss(hidden, self.aux_loss_coef * self.switch_aux_loss(probs, expert_ids))
+        return hidden, tokens, Routing(expert_ids, weights.to(x.dtype))
+
+    def switch_aux_loss(self, probs, expert_ids):
+        """num_experts * sum_e (fraction of tokens routed to e) * (mean router probability of e)."""
+        counts = torch.bincount(expert_ids.flatten(), minlength=self.num_experts)
+        return self.num_experts * (counts.to(probs.dtype) / probs.shape[0] * probs.mean(0)).sum()
+
+    def expert_stage(self, x, tokens_per_expert):
+        return self.mlp.experts(x, tokens_per_expert)
+
+    def aggregate_stage(self, hidden, expert_out, routing: Routing):
+        weighted = (expert_out * routing.weights.unsqueeze(-1)).sum(1)
+        return hidden + weighted.view_as(hidden)
+
+
+class Qwen3MoeForCausalLM(nn.Module):
+    def __init__(self, cfg: Qwen3MoeConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = nn.ModuleDict(dict(
+            embed_tokens=nn.Embedding(cfg.vocab_size, cfg.hidden_size),
+            layers=nn.ModuleList(Qwen3MoeDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers)),
+            norm=RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)))
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int):
+        generator = torch.Generator().manual_seed(seed)
+        for name, param in self.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.copy_(torch.randn(param.shape, generator=generator) * self.config.initializer_range)
+
+    def hidden_states(self, input_ids):
+        x = self.model.embed_tokens(input_ids)
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        cos, sin = rotary_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
+        for layer in self.model.layers:
+            x = run_moe_layer(layer, x, cos, sin)
+        return self.model.norm(x)
+
+    def forward(self, input_ids):
+        return self.lm_head(self.hidden_states(input_ids))
+
+    def loss_sum(self, input_ids, labels):
+        """Token-summed cross-entropy (fp32) over labels != -100; the caller divides once by the token count."""
+        logits = self.forward(input_ids)
+        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")

@@ -1,0 +1,64 @@
+"""The MoE layer's sequencing: attention+router -> dispatch -> experts -> combine -> aggregate.
+
+A model file writes stages 1 (attention_stage), 3 (expert_stage) and 5 (aggregate_stage) of its layers;
+this module owns stages 2 and 4 (dispatch and combine) and runs the five in order. That plain order is
+the single-process reference that every parallel and pipelined schedule is compared against.
+"""
+from dataclasses import dataclass
+
+import torch
+
+from pith_ops.token_permute import gather_by_expert, scatter_to_slots, sort_by_expert
+
+
+@dataclass
+class Routing:
+    """The router's decision for a flat batch of tokens."""
+    expert_ids: torch.Tensor   # [tokens, top_k] int64
+    weights: torch.Tensor      # [tokens, top_k], the routing weight of each chosen expert
+
+
+@dataclass
+class DispatchPlan:
+    order: torch.Tensor              # slot indices (token * top_k + k) sorted by expert
+    tokens_per_expert: torch.Tensor  # [num_experts]
+    top_k: int
+
+
+def dispatch(tokens: torch.Tensor, routing: Routing, num_experts: int) -> tuple[torch.Tensor, DispatchPlan]:
+    """Stage 2: tokens [tokens, hidden] -> one row per (token, expert) slot, grouped by expert."""
+    order, tokens_per_expert = sort_by_expert(routing.expert_ids, num_experts)
+    top_k = routing.expert_ids.shape[1]
+    return gather_by_expert(tokens, order, top_k), DispatchPlan(order, tokens_per_expert, top_k)
+
+
+def combine(expert_out: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+    """Stage 4: expert outputs in expert order -> [tokens, top_k, hidden] in slot order."""
+    return scatter_to_slots(expert_out, plan.order).unflatten(0, (-1, plan.top_k))
+
+
+def run_moe_layer(layer, x: torch.Tensor, *attention_args) -> torch.Tensor:
+    """Run one MoE decoder layer's five stages in order on one process."""
+    hidden, tokens, routing = layer.attention_stage(x, *attention_args)
+    expert_in, plan = dispatch(tokens, routing, layer.num_experts)
+    expert_out = layer.expert_stage(expert_in, plan.tokens_per_expert)
+    return layer.aggregate_stage(hidden, combine(expert_out, plan), routing)
+
+
+class _AttachAuxLoss(torch.autograd.Function):
+    """Identity on x whose backward also seeds d(aux)/d(aux) = 1, so a load-balancing loss reaches the
+    router through the main loss's backward (and later through a pipeline) without being returned."""
+
+    @staticmethod
+    def forward(ctx, x, aux_loss):
+        ctx.aux_shape = aux_loss.shape
+        ctx.aux_dtype = aux_loss.dtype
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad_x):
+        return grad_x, torch.ones(ctx.aux_shape, dtype=ctx.aux_dtype, device=grad_x.device)
+
+
+def attach_aux_loss(x: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
+    return _AttachAuxLoss.apply(x, aux_loss)

@@ -1,0 +1,14 @@
+"""Shared test setup. Triton kernels run on CPU only through Triton's interpreter, which must be switched
+on before the first kernel is defined, so it is set here, before any test module imports pith_ops."""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """Norm of the difference over the norm of the expected value, in float64."""
+    actual, expected = actual.double(), expected.double()
+    return ((actual - expected).norm() / expected.norm().clamp_min(1e-30)).item()

@@ -1,0 +1,46 @@
+import torch
+
+from conftest import relative_error
+from pith_engine.moe import Routing, attach_aux_loss, combine, dispatch, run_moe_layer
+
+
+class ScaleExperts(torch.nn.Module):
+    """A minimal five-stage layer: expert e multiplies its tokens by (e + 1)."""
+    num_experts = 4
+
+    def attention_stage(self, x):
+        tokens = x.flatten(0, 1)
+        expert_ids = torch.stack([tokens[:, 0].abs().mul(7).long() % 4, tokens[:, 1].abs().mul(5).long() % 4], 1)
+        return x, tokens, Routing(expert_ids, torch.full(expert_ids.shape, 0.5))
+
+    def expert_stage(self, x, tokens_per_expert):
+        scale = torch.repeat_interleave(torch.arange(1.0, 5.0), tokens_per_expert)
+        return x * scale[:, None]
+
+    def aggregate_stage(self, hidden, expert_out, routing):
+        return hidden + (expert_out * routing.weights[..., None]).sum(1).view_as(hidden)
+
+
+def test_five_stages_in_order_equal_the_direct_computation():
+    x = torch.randn(2, 5, 3)
+    layer = ScaleExperts()
+    _, tokens, routing = layer.attention_stage(x)
+    direct = tokens + 0.5 * ((routing.expert_ids + 1).float().sum(1, keepdim=True) * tokens)
+    assert relative_error(run_moe_layer(layer, x), direct.view_as(x)) < 1e-6
+
+
+def test_dispatch_then_combine_returns_every_slot_to_its_token():
+    tokens = torch.randn(6, 4)
+    routing = Routing(torch.tensor([[0, 2], [2, 1], [1, 0], [3, 2], [0, 3], [2, 0]]), torch.ones(6, 2))
+    expert_in, plan = dispatch(tokens, routing, num_experts=4)
+    assert plan.tokens_per_expert.tolist() == [4, 2, 4, 2]
+    assert torch.equal(combine(expert_in, plan), tokens[:, None].expand(-1, 2, -1))
+
+
+def test_attached_aux_loss_gets_gradient_one_and_leaves_the_value_unchanged():
+    x = torch.randn(3, requires_grad=True)
+    w = torch.tensor(2.0, requires_grad=True)
+    y = attach_aux_loss(x * 1.0, w * w)
+    assert torch.equal(y, x)
+    (y * 3).sum().backward()
+    assert torch.equal(x.grad, torch.full((3,), 3.0)) and w.grad.item() == 4.0  # d(w^2)/dw = 2w
