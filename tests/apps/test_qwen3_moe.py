@@ -10,7 +10,7 @@ from pith_apps.config import ConfigError
 from pith_apps.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 TINY = dict(model_type="qwen3_moe", vocab_size=97, hidden_size=48, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, moe_intermediate_size=40, num_experts=6, num_experts_per_tok=2,
+            num_key_value_heads=2, head_dim=16, moe_intermediate_size=40, num_experts=6, num_experts_per_tok=2, norm_topk_prob=True,
             rope_theta=10000.0, rms_norm_eps=1e-6, router_aux_loss_coef=0.01)
 
 

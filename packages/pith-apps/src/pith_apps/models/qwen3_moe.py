@@ -15,9 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pith_apps.config import config_from_dict, require
+from pith_apps.models.layers import RMSNorm, SwiGLUExperts, apply_rotary, default_inv_freq, rope_parameters, rotary_cos_sin
 from pith_engine.moe import Routing, attach_aux_loss, run_moe_layer
-from pith_ops.grouped_gemm import grouped_linear
-from pith_ops.swiglu import swiglu
 
 
 @dataclass
@@ -31,7 +30,7 @@ class Qwen3MoeConfig:
     moe_intermediate_size: int
     num_experts: int
     num_experts_per_tok: int
-    norm_topk_prob: bool = True
+    norm_topk_prob: bool = False
     rope_theta: float = 1e6
     rms_norm_eps: float = 1e-6
     router_aux_loss_coef: float = 0.001
@@ -42,6 +41,13 @@ class Qwen3MoeConfig:
 
     @classmethod
     def from_dict(cls, data: dict) -> "Qwen3MoeConfig":
+        # published files say num_experts and rope_theta; transformers v5 num_local_experts and rope_parameters
+        rope = rope_parameters(data)
+        require(rope["rope_type"] == "default",
+                f"config rope_type={rope['rope_type']!r} is not supported for qwen3_moe; valid: 'default'")
+        data = {**data, **({"rope_theta": rope["rope_theta"]} if "rope_theta" in rope else {})}
+        if "num_local_experts" in data:
+            data.setdefault("num_experts", data["num_local_experts"])
         cfg = config_from_dict(cls, data, "qwen3_moe")
         require(cfg.num_attention_heads % cfg.num_key_value_heads == 0,
                 f"config num_attention_heads={cfg.num_attention_heads} must be a multiple of "
@@ -56,32 +62,6 @@ class Qwen3MoeConfig:
                 f"config decoder_sparse_step={cfg.decoder_sparse_step} / mlp_only_layers={cfg.mlp_only_layers} "
                 "is not supported: every layer must be MoE (decoder_sparse_step 1, mlp_only_layers [])")
         return cfg
-
-
-class RMSNorm(nn.Module):
-    """Normalize in fp32, cast back to the input dtype, then scale (the Qwen3 order)."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x):
-        x32 = x.float()
-        return self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
-
-
-def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
-    inv_freq = theta ** -(torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
-    angles = positions.float()[:, None] * inv_freq[None, :]
-    angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
-
-
-def apply_rotary(x, cos, sin):
-    """x [batch, heads, seq, head_dim]; rotate-half (NeoX) layout."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
 class Qwen3MoeAttention(nn.Module):
@@ -105,23 +85,11 @@ class Qwen3MoeAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
-class Qwen3MoeExperts(nn.Module):
-    def __init__(self, cfg: Qwen3MoeConfig):
-        super().__init__()
-        experts, hidden, inter = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * inter, hidden))
-        self.down_proj = nn.Parameter(torch.empty(experts, hidden, inter))
-
-    def forward(self, x, tokens_per_expert):
-        gate_up = grouped_linear(x, self.gate_up_proj, tokens_per_expert)
-        return grouped_linear(swiglu(gate_up), self.down_proj, tokens_per_expert)
-
-
 class Qwen3MoeSparseBlock(nn.Module):
     def __init__(self, cfg: Qwen3MoeConfig):
         super().__init__()
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
-        self.experts = Qwen3MoeExperts(cfg)
+        self.experts = SwiGLUExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
 
 
 class Qwen3MoeDecoderLayer(nn.Module):
@@ -179,13 +147,22 @@ class Qwen3MoeForCausalLM(nn.Module):
     def hidden_states(self, input_ids):
         x = self.model.embed_tokens(input_ids)
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-        cos, sin = rotary_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
+        cos, sin = rotary_cos_sin(positions, default_inv_freq(self.config.head_dim, self.config.rope_theta), x.dtype)
         for layer in self.model.layers:
             x = run_moe_layer(layer, x, cos, sin)
         return self.model.norm(x)
 
     def forward(self, input_ids):
         return self.lm_head(self.hidden_states(input_ids))
+
+    def hf_views(self):
+        """(Hugging Face tensor name, view of the parameter holding it): import copies into the views,
+        export reads them. Experts are stored per expert in the files, stacked here."""
+        for name, param in self.named_parameters():
+            if ".mlp.experts." not in name:
+                yield name, param
+        for n, layer in enumerate(self.model.layers):
+            yield from layer.mlp.experts.hf_views(f"model.layers.{n}.mlp.experts")
 
     def loss_sum(self, input_ids, labels):
         """Token-summed cross-entropy (fp32) over labels != -100; the caller divides once by the token count."""

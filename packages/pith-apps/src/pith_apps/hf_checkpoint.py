@@ -1,0 +1,121 @@
+"""Hugging Face checkpoint directories (config.json + safetensors shards + index) in and out.
+
+A model says where each Hugging Face tensor lives through `model.hf_views()`: pairs of (name in the file,
+view of our parameter in the file's layout). Import copies each tensor into its view, reading one shard
+at a time and only the tensors this model instance holds (a pipeline or expert-parallel rank builds only
+its layers and experts, so it reads only those). Export writes the views back out, one shard at a time.
+GPT-OSS expert weights stored as MXFP4 (`<name>_blocks` + `<name>_scales`) are decoded to the view's dtype.
+"""
+import json
+import os
+import shutil
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from pith_apps.config import ConfigError, read_json
+
+MAX_SHARD_BYTES = 5 * 10**9
+# E2M1 code -> value: codes 0..7 are 0, .5, 1, 1.5, 2, 3, 4, 6; codes 8..15 their negatives
+FP4_VALUES = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+
+
+def mxfp4_decode(blocks: torch.Tensor, scales: torch.Tensor, dtype=torch.bfloat16) -> torch.Tensor:
+    """blocks uint8 [..., out, groups, 16] (two E2M1 codes a byte, low nibble first) and scales uint8
+    [..., out, groups] (power-of-two exponents biased by 127) -> [..., out, groups * 32]."""
+    table = torch.tensor(FP4_VALUES, dtype=torch.float32)
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2).long()  # [..., groups, 32]
+    values = table[codes] * torch.exp2(scales.float() - 127).unsqueeze(-1)
+    return values.flatten(-2).to(dtype)
+
+
+def weight_map(model_dir: Path) -> dict[str, str]:
+    """Tensor name -> shard file name, from the index or from a single model.safetensors."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        return read_json(index)["weight_map"]
+    single = model_dir / "model.safetensors"
+    if not single.is_file():
+        raise ConfigError(f"'{model_dir}' has neither model.safetensors nor model.safetensors.index.json")
+    with safe_open(single, "pt") as f:
+        return {name: single.name for name in f.keys()}
+
+
+def load_hf_weights(model: torch.nn.Module, model_dir: str | Path):
+    """Fill every parameter of `model` from the checkpoint in model_dir, one shard file at a time."""
+    model_dir = Path(model_dir)
+    files = weight_map(model_dir)
+    views = dict(model.hf_views())
+    by_file = defaultdict(list)
+    for name, view in views.items():
+        if name in files:
+            by_file[files[name]].append(name)
+        elif f"{name}_blocks" in files and f"{name}_scales" in files:
+            by_file[files[f"{name}_blocks"]].append(name)
+        else:
+            raise ConfigError(f"checkpoint '{model_dir}' has no tensor '{name}' (expected shape {tuple(view.shape)})")
+    with torch.no_grad():
+        for file, names in sorted(by_file.items()):
+            with safe_open(model_dir / file, "pt") as shard:
+                for name in names:
+                    tensor = shard.get_tensor(name) if name in files else read_mxfp4(model_dir, files, shard, name)
+                    if tuple(tensor.shape) != tuple(views[name].shape):
+                        raise ConfigError(f"tensor '{name}' in '{model_dir / file}' has shape {tuple(tensor.shape)}; "
+                                          f"the config expects {tuple(views[name].shape)}")
+                    views[name].copy_(tensor)
+
+
+def read_mxfp4(model_dir: Path, files: dict, shard, name: str) -> torch.Tensor:
+    """Decode an MXFP4 expert weight to the layout of its bf16 name: the file stores [E, out, in] as
+    blocks, the bf16 tensor is [E, in, out]."""
+    scales_file = files[f"{name}_scales"]
+    if scales_file == files[f"{name}_blocks"]:
+        scales = shard.get_tensor(f"{name}_scales")
+    else:
+        with safe_open(model_dir / scales_file, "pt") as other:
+            scales = other.get_tensor(f"{name}_scales")
+    return mxfp4_decode(shard.get_tensor(f"{name}_blocks"), scales).transpose(-2, -1)
+
+
+def save_hf(model: torch.nn.Module, config: dict, out_dir: str | Path, dtype: torch.dtype | None = None,
+            max_shard_bytes: int = MAX_SHARD_BYTES):
+    """Write config.json, safetensors shards of at most max_shard_bytes and their index to out_dir. The
+    directory is assembled beside out_dir and renamed into place, so a crash leaves no half export."""
+    out_dir = Path(out_dir)
+    views = list(model.hf_views())
+    shards, size = [[]], 0
+    for name, view in views:
+        nbytes = view.numel() * (dtype or view.dtype).itemsize
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, view))
+        size += nbytes
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    index, total = {}, 0
+    for i, shard in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        tensors = {name: view.detach().to("cpu", dtype or view.dtype).contiguous() for name, view in shard}
+        save_file(tensors, tmp / file, metadata={"format": "pt"})
+        index.update({name: file for name in tensors})
+        total += sum(t.numel() * t.itemsize for t in tensors.values())
+    (tmp / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": index}, indent=2))
+    written_dtype = str(dtype or views[0][1].dtype).removeprefix("torch.")
+    config = {k: v for k, v in config.items() if k != "quantization_config"} | {"dtype": written_dtype}
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    replace_dir(tmp, out_dir)
+
+
+def replace_dir(new: Path, target: Path):
+    old = target.with_name(target.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if target.exists():
+        os.replace(target, old)
+    os.replace(new, target)
+    shutil.rmtree(old, ignore_errors=True)

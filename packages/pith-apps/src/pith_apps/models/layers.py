@@ -1,0 +1,98 @@
+"""Building blocks that several model families use in exactly the same way: RMSNorm, rotary embeddings
+(plain and YaRN), and the stacked SwiGLU experts of Qwen3-MoE and DeepSeek-V2. Each model file still
+instantiates its own layers from these; anything a family does differently stays in its own file."""
+import math
+
+import torch
+from torch import nn
+
+from pith_ops.grouped_gemm import grouped_linear
+from pith_ops.swiglu import swiglu
+
+
+class RMSNorm(nn.Module):
+    """Normalize in fp32. Qwen3 and DeepSeek cast back to the input dtype before the weight multiply;
+    GPT-OSS multiplies in fp32 first (scale_in_fp32=True). Same result in fp32, not in bf16."""
+
+    def __init__(self, dim: int, eps: float, scale_in_fp32: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.scale_in_fp32 = eps, scale_in_fp32
+
+    def forward(self, x):
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.scale_in_fp32:
+            return (self.weight.float() * normed).to(x.dtype)
+        return self.weight * normed.to(x.dtype)
+
+
+def rope_parameters(data: dict) -> dict:
+    """The rotary settings of a config.json wherever they are kept: top-level rope_theta and rope_scaling
+    (published checkpoints) or one rope_parameters dict (what transformers v5 writes)."""
+    params = dict(data.get("rope_scaling") or {})
+    params.update(data.get("rope_parameters") or {})
+    if "rope_theta" in data:
+        params.setdefault("rope_theta", data["rope_theta"])
+    params.setdefault("rope_type", params.get("type", "default"))
+    return params
+
+
+def default_inv_freq(dim: int, theta: float) -> torch.Tensor:
+    return theta ** -(torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+
+
+def yarn_inv_freq(dim: int, theta: float, factor: float, original_max_position: int, beta_fast: float,
+                  beta_slow: float, truncate: bool) -> torch.Tensor:
+    """YaRN: interpolate the low frequencies by `factor`, keep the high ones, blend linearly between the
+    dimensions whose wavelengths fit beta_fast and beta_slow times in the original context."""
+    def correction_dim(rotations):
+        return dim * math.log(original_max_position / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if high == low:
+        high += 0.001  # a ramp of zero width would divide by zero
+    extrapolated = default_inv_freq(dim, theta)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    return extrapolated / factor * ramp + extrapolated * (1 - ramp)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rotary_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype, scale: float = 1.0):
+    """cos and sin [seq, dim] for the rotate-half layout (each frequency appears twice)."""
+    angles = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]
+    angles = torch.cat([angles, angles], dim=-1)
+    return (angles.cos() * scale).to(dtype), (angles.sin() * scale).to(dtype)
+
+
+def apply_rotary(x, cos, sin):
+    """x [batch, heads, seq, dim]: rotate-half (NeoX) layout, pairs (i, i + dim/2)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class SwiGLUExperts(nn.Module):
+    """Experts of down(silu(gate(x)) * up(x)) stacked for grouped GEMMs: gate_up_proj [E, 2 * inter,
+    hidden] (gate rows, then up rows) and down_proj [E, hidden, inter]."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int):
+        super().__init__()
+        self.inter = inter
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
+
+    def forward(self, x, tokens_per_expert):
+        gate_up = grouped_linear(x, self.gate_up_proj, tokens_per_expert)
+        return grouped_linear(swiglu(gate_up), self.down_proj, tokens_per_expert)
+
+    def hf_views(self, prefix: str):
+        """(Hugging Face name, view of our parameter) for each expert's gate/up/down weight."""
+        for e in range(self.gate_up_proj.shape[0]):
+            yield f"{prefix}.{e}.gate_proj.weight", self.gate_up_proj[e, :self.inter]
+            yield f"{prefix}.{e}.up_proj.weight", self.gate_up_proj[e, self.inter:]
+            yield f"{prefix}.{e}.down_proj.weight", self.down_proj[e]

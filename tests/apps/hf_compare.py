@@ -1,0 +1,57 @@
+"""Shared by the per-family model tests: build a tiny random transformers model, save it with
+save_pretrained (real file names and layouts), load it into our model through hf_checkpoint, and
+compare logits, loss and gradients on the same tokens."""
+import json
+
+import torch
+
+from conftest import relative_error
+from pith_apps.hf_checkpoint import load_hf_weights
+
+LOGITS_TOLERANCE = 1e-5   # float32, same math, different summation order
+GRAD_TOLERANCE = 1e-4
+
+
+def randomize(module: torch.nn.Module, seed: int = 0, std: float = 0.1):
+    """Weights far from the default init, so that a misplaced norm, bias or scale shows in the logits."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            if "norm" in name:
+                param.copy_(torch.rand(param.shape, generator=generator) + 0.5)
+            else:
+                param.copy_(torch.randn(param.shape, generator=generator) * std)
+
+
+def save_tiny_hf_model(hf_config, path, seed=0, std=0.1, attn_implementation="eager"):
+    import transformers
+    hf_model = transformers.AutoModelForCausalLM.from_config(hf_config, attn_implementation=attn_implementation,
+                                                           dtype=torch.float32)
+    randomize(hf_model, seed, std)
+    hf_model.save_pretrained(path)
+    return hf_model
+
+
+def load_ours(config_cls, model_cls, path):
+    model = model_cls(config_cls.from_dict(json.loads((path / "config.json").read_text())))
+    load_hf_weights(model, path)
+    return model
+
+
+def shifted_labels(ids):
+    return torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
+
+
+def compare_forward_and_backward(hf_model, ours, ids, grad_names: dict[str, str]):
+    """Logits, mean loss and the gradients named in grad_names (ours -> transformers' parameter name)."""
+    hf_out = hf_model(input_ids=ids, labels=ids)
+    logits = ours(ids)
+    assert relative_error(logits.detach(), hf_out.logits.detach()) < LOGITS_TOLERANCE
+    labels = shifted_labels(ids)
+    loss = ours.loss_sum(ids, labels) / (labels != -100).sum()
+    assert abs(loss.item() - hf_out.loss.item()) < 1e-5 * hf_out.loss.item()
+    hf_out.loss.backward()
+    loss.backward()
+    ours_params, hf_params = dict(ours.named_parameters()), dict(hf_model.named_parameters())
+    for ours_name, hf_name in grad_names.items():
+        assert relative_error(ours_params[ours_name].grad, hf_params[hf_name].grad) < GRAD_TOLERANCE, ours_name
