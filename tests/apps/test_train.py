@@ -46,7 +46,7 @@ def test_batches_are_a_pure_function_of_seed_and_step():
 @pytest.mark.parametrize("argv,named", [
     (["llama"], "unknown model 'llama'; valid models: qwen3"),
     (["qwen3", "--data", "/no/such/file.txt"], "dataset path '/no/such/file.txt' does not exist"),
-    (["qwen3", "--preset", "huge"], "unknown --preset 'huge' for qwen3; valid presets: tiny"),
+    (["qwen3", "--preset", "huge"], "unknown --preset 'huge' for qwen3; valid presets: 30b-a3b, tiny"),
     (["qwen3", "--config", "BAD_CONFIG"], "config value num_experts=0 must be a positive integer"),
 ])
 def test_bad_input_ends_with_one_clear_line(argv, named, tmp_path):

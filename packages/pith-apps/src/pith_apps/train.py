@@ -66,7 +66,7 @@ def model_config(args):
     if args.config:
         return config_cls.from_dict(read_json(args.config))
     path = PRESETS / f"{args.model}_{args.preset}.json"
-    valid = sorted(p.stem.split("_", 1)[1] for p in PRESETS.glob(f"{args.model}_*.json"))
+    valid = sorted(p.stem.removeprefix(f"{args.model}_") for p in PRESETS.glob(f"{args.model}_*.json"))
     require(path.is_file(), f"unknown --preset '{args.preset}' for {args.model}; valid presets: {', '.join(valid)}")
     return config_cls.from_dict(read_json(path))
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pith_ops.token_permute import gather_by_expert, scatter_to_slots, sort_by_expert
+from pith_ops.token_permute import dispatch_tokens, sort_by_expert
 
 
 @dataclass
@@ -21,20 +21,21 @@ class Routing:
 @dataclass
 class DispatchPlan:
     order: torch.Tensor              # slot indices (token * top_k + k) sorted by expert
+    inverse: torch.Tensor            # the row of each slot in expert order
     tokens_per_expert: torch.Tensor  # [num_experts]
     top_k: int
 
 
 def dispatch(tokens: torch.Tensor, routing: Routing, num_experts: int) -> tuple[torch.Tensor, DispatchPlan]:
     """Stage 2: tokens [tokens, hidden] -> one row per (token, expert) slot, grouped by expert."""
-    order, tokens_per_expert = sort_by_expert(routing.expert_ids, num_experts)
+    order, inverse, tokens_per_expert = sort_by_expert(routing.expert_ids, num_experts)
     top_k = routing.expert_ids.shape[1]
-    return gather_by_expert(tokens, order, top_k), DispatchPlan(order, tokens_per_expert, top_k)
+    return dispatch_tokens(tokens, order, inverse, top_k), DispatchPlan(order, inverse, tokens_per_expert, top_k)
 
 
 def combine(expert_out: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
     """Stage 4: expert outputs in expert order -> [tokens, top_k, hidden] in slot order."""
-    return scatter_to_slots(expert_out, plan.order).unflatten(0, (-1, plan.top_k))
+    return expert_out.index_select(0, plan.inverse).unflatten(0, (-1, plan.top_k))
 
 
 def run_moe_layer(layer, x: torch.Tensor, *attention_args) -> torch.Tensor:

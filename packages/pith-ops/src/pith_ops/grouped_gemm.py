@@ -1,13 +1,207 @@
-"""Expert GEMMs over tokens sorted by expert: one matmul per expert, launched as one grouped GEMM."""
+"""Expert GEMMs over tokens sorted by expert: one matmul per expert, launched as one grouped GEMM.
+
+Rows offs[e-1]:offs[e] of the input belong to expert e (offs = running sum of tokens_per_expert), so
+experts without tokens cost nothing and nothing waits for the host. Torch's grouped_mm runs where it
+has a kernel (CPU, and CUDA from Hopper on); elsewhere the Triton kernels below run.
+
+The backward computes the input gradient (dgrad) and the weight gradient (wgrad) separately. Given a
+`wgrad_queue` list, the backward appends a closure that computes and accumulates the weight gradient
+instead of computing it, so a pipeline schedule can run it later (zero-bubble W steps).
+"""
+import os
+
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+def grouped_linear_reference(x, weight, tokens_per_expert):
+    rows = torch.split(x, tokens_per_expert.tolist())
+    return torch.cat([r @ w.T for r, w in zip(rows, weight)]) if x.shape[0] else x.new_empty(0, weight.shape[1])
+
+
+@triton.jit
+def _grouped_rows_kernel(a_ptr, b_ptr, out_ptr, offs_ptr, tile_expert_ptr, tile_first_ptr, n_cols, k_dim,
+                         stride_be, stride_bk, stride_bn, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                         UPCAST: tl.constexpr):
+    """out[rows of e] = a[rows of e] @ B_e, where B_e[k, n] = b[e * stride_be + k * stride_bk + n * stride_bn]."""
+    tile = tl.program_id(0)
+    expert = tl.load(tile_expert_ptr + tile)
+    row_end = tl.load(offs_ptr + expert)
+    row_start = tl.load(offs_ptr + expert - 1, mask=expert > 0, other=0)
+    rows = row_start + (tile - tl.load(tile_first_ptr + expert)) * BM + tl.arange(0, BM)
+    if row_start + (tile - tl.load(tile_first_ptr + expert)) * BM >= row_end:
+        return  # a spare tile of the launch grid, sized without asking the host for the counts
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, k_dim, BK):
+        ks = k0 + tl.arange(0, BK)
+        a = tl.load(a_ptr + rows[:, None].to(tl.int64) * k_dim + ks[None, :],
+                    mask=(rows[:, None] < row_end) & (ks[None, :] < k_dim), other=0.0)
+        b = tl.load(b_ptr + expert.to(tl.int64) * stride_be + ks[:, None] * stride_bk + cols[None, :] * stride_bn,
+                    mask=(ks[:, None] < k_dim) & (cols[None, :] < n_cols), other=0.0)
+        if UPCAST:
+            a, b = a.to(tl.float32), b.to(tl.float32)
+        acc = tl.dot(a, b, acc)
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * n_cols + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=(rows[:, None] < row_end) & (cols[None, :] < n_cols))
+
+
+@triton.jit
+def _grouped_wgrad_kernel(g_ptr, x_ptr, out_ptr, offs_ptr, n_out, n_in,
+                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, UPCAST: tl.constexpr):
+    """out[e] = g[rows of e].T @ x[rows of e]: [n_out, n_in] per expert, zero for experts without rows."""
+    expert = tl.program_id(0)
+    row_end = tl.load(offs_ptr + expert)
+    row_start = tl.load(offs_ptr + expert - 1, mask=expert > 0, other=0)
+    outs = tl.program_id(1) * BM + tl.arange(0, BM)
+    ins = tl.program_id(2) * BN + tl.arange(0, BN)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for r0 in range(row_start, row_end, BK):
+        rows = r0 + tl.arange(0, BK)
+        g = tl.load(g_ptr + rows[None, :].to(tl.int64) * n_out + outs[:, None],
+                    mask=(rows[None, :] < row_end) & (outs[:, None] < n_out), other=0.0)
+        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * n_in + ins[None, :],
+                    mask=(rows[:, None] < row_end) & (ins[None, :] < n_in), other=0.0)
+        if UPCAST:
+            g, x = g.to(tl.float32), x.to(tl.float32)
+        acc = tl.dot(g, x, acc)
+    tl.store(out_ptr + expert.to(tl.int64) * n_out * n_in + outs[:, None] * n_in + ins[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=(outs[:, None] < n_out) & (ins[None, :] < n_in))
+
+
+BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 32
+# Triton's CPU interpreter computes bf16 dots wrongly; fp32 operands give what the GPU's bf16 MMA gives
+# (exact products, fp32 accumulation), so under the interpreter the kernels upcast first.
+UPCAST = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _triton_rows(a, b, offs, n_cols, transpose_b: bool):
+    """Per expert: a_rows @ b[e].T (forward, b [E, n_cols, k]) or a_rows @ b[e] (dgrad, b [E, k, n_cols])."""
+    num_experts = b.shape[0]
+    tiles = torch.diff(offs, prepend=offs.new_zeros(1)).add(BLOCK_M - 1).div(BLOCK_M, rounding_mode="floor")
+    tile_first = torch.cumsum(tiles, 0) - tiles
+    max_tiles = triton.cdiv(a.shape[0], BLOCK_M) + num_experts   # each expert wastes at most one tile
+    tile_expert = torch.searchsorted(tile_first + tiles, torch.arange(max_tiles, device=a.device), right=True)
+    tile_expert = tile_expert.clamp_(max=num_experts - 1)
+    out = a.new_empty(a.shape[0], n_cols)
+    strides = (b.stride(0), b.stride(2), b.stride(1)) if transpose_b else (b.stride(0), b.stride(1), b.stride(2))
+    grid = (max_tiles, triton.cdiv(n_cols, BLOCK_N))
+    _grouped_rows_kernel[grid](a, b, out, offs, tile_expert, tile_first, n_cols, a.shape[1], *strides,
+                               BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, UPCAST=UPCAST)
+    return out
+
+
+def _triton_wgrad(grad_out, x, offs, num_experts):
+    out = grad_out.new_empty(num_experts, grad_out.shape[1], x.shape[1])
+    grid = (num_experts, triton.cdiv(grad_out.shape[1], BLOCK_M), triton.cdiv(x.shape[1], BLOCK_N))
+    _grouped_wgrad_kernel[grid](grad_out, x, out, offs, grad_out.shape[1], x.shape[1],
+                                BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, UPCAST=UPCAST)
+    return out
+
+
+def _use_torch(t: torch.Tensor, use_triton: bool | None) -> bool:
+    if use_triton is not None:
+        return not use_triton
+    return not t.is_cuda or torch.cuda.get_device_capability(t.device) >= (9, 0)
+
+
+def grouped_forward(x, weight, offs, use_triton=None):
+    if _use_torch(x, use_triton):
+        return F.grouped_mm(x, weight.transpose(-2, -1), offs=offs)
+    return _triton_rows(x.contiguous(), weight, offs, weight.shape[1], transpose_b=True)
+
+
+def grouped_dgrad(grad_out, weight, offs, use_triton=None):
+    if _use_torch(grad_out, use_triton):
+        return F.grouped_mm(grad_out, weight, offs=offs)
+    return _triton_rows(grad_out.contiguous(), weight, offs, weight.shape[2], transpose_b=False)
+
+
+def grouped_wgrad(grad_out, x, offs, use_triton=None):
+    if _use_torch(x, use_triton):
+        return F.grouped_mm(grad_out.T, x, offs=offs)
+    return _triton_wgrad(grad_out.contiguous(), x.contiguous(), offs, offs.shape[0])
+
+
+class _GroupedLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, offs, wgrad_queue, use_triton):
+        ctx.save_for_backward(x, weight, offs)
+        ctx.wgrad_queue, ctx.use_triton = wgrad_queue, use_triton
+        return grouped_forward(x, weight, offs, use_triton)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight, offs = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        grad_x = grouped_dgrad(grad_out, weight, offs, ctx.use_triton) if ctx.needs_input_grad[0] else None
+        if not ctx.needs_input_grad[1]:
+            return grad_x, None, None, None, None
+        if ctx.wgrad_queue is None:
+            return grad_x, grouped_wgrad(grad_out, x, offs, ctx.use_triton), None, None, None
+        use_triton = ctx.use_triton
+
+        def accumulate_wgrad():
+            grad_w = grouped_wgrad(grad_out, x, offs, use_triton)
+            weight.grad = grad_w if weight.grad is None else weight.grad.add_(grad_w)
+        ctx.wgrad_queue.append(accumulate_wgrad)
+        return grad_x, None, None, None, None
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.Tensor,
+                   wgrad_queue: list | None = None, use_triton: bool | None = None) -> torch.Tensor:
     """x [tokens, in] sorted by expert, weight [experts, out, in] (nn.Linear layout) -> [tokens, out].
 
-    Rows offs[e-1]:offs[e] of x are multiplied by weight[e]; offs is the running sum of tokens_per_expert,
-    so experts with no tokens cost nothing and no host synchronization is needed.
+    wgrad_queue: if given, the weight gradient is not returned by backward but queued as a closure that
+    adds it to weight.grad. use_triton: force the Triton kernels (True) or torch's grouped_mm (False).
     """
     offs = torch.cumsum(tokens_per_expert, 0, dtype=torch.int32)
-    return F.grouped_mm(x, weight.transpose(-2, -1), offs=offs)
+    return _GroupedLinear.apply(x, weight, offs, wgrad_queue, use_triton)
+
+
+@triton.jit
+def _segment_sum_kernel(grad_ptr, offs_ptr, out_ptr, n_cols, BM: tl.constexpr, BN: tl.constexpr):
+    """out[e] = sum of grad rows offs[e-1]:offs[e], one program per (expert, column block): no atomics."""
+    expert = tl.program_id(0)
+    row_end = tl.load(offs_ptr + expert)
+    row_start = tl.load(offs_ptr + expert - 1, mask=expert > 0, other=0)
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    acc = tl.zeros((BN,), dtype=tl.float32)
+    for r0 in range(row_start, row_end, BM):
+        rows = r0 + tl.arange(0, BM)
+        block = tl.load(grad_ptr + rows[:, None].to(tl.int64) * n_cols + cols[None, :],
+                        mask=(rows[:, None] < row_end) & (cols[None, :] < n_cols), other=0.0)
+        acc += tl.sum(block.to(tl.float32), axis=0)
+    tl.store(out_ptr + expert * n_cols + cols, acc.to(out_ptr.dtype.element_ty), mask=cols < n_cols)
+
+
+class _GroupedBias(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, bias, tokens_per_expert, use_kernel):
+        ctx.save_for_backward(tokens_per_expert)
+        ctx.use_kernel = use_kernel
+        expert_of_row = torch.repeat_interleave(torch.arange(bias.shape[0], device=x.device), tokens_per_expert,
+                                                output_size=x.shape[0])
+        return x + bias.index_select(0, expert_of_row)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (tokens_per_expert,) = ctx.saved_tensors
+        grad = grad.contiguous()
+        if not ctx.use_kernel:
+            segments = torch.split(grad.float(), tokens_per_expert.tolist())
+            return grad, torch.stack([s.sum(0) for s in segments]).to(grad.dtype), None, None
+        offs = torch.cumsum(tokens_per_expert, 0, dtype=torch.int32)
+        grad_bias = grad.new_empty(tokens_per_expert.shape[0], grad.shape[1])
+        _segment_sum_kernel[(grad_bias.shape[0], triton.cdiv(grad.shape[1], 128))](grad, offs, grad_bias, grad.shape[1],
+                                                                                   BM=32, BN=128)
+        return grad, grad_bias, None, None
+
+
+def grouped_bias_add(x: torch.Tensor, bias: torch.Tensor, tokens_per_expert: torch.Tensor,
+                     use_kernel: bool | None = None) -> torch.Tensor:
+    """x [tokens, out] sorted by expert + bias [experts, out] of each row's expert. The bias gradient is a
+    per-expert sum over contiguous rows (Triton on CUDA, no atomics)."""
+    return _GroupedBias.apply(x, bias, tokens_per_expert, x.is_cuda if use_kernel is None else use_kernel)

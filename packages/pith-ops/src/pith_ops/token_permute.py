@@ -1,26 +1,152 @@
 """Token permutation for MoE: sort (token, expert) slots by expert, gather tokens into expert-contiguous
-order, and put expert outputs back in slot order.
+order (dispatch), and sum the expert outputs back per token with the routing weights (combine).
 
-A slot is one (token, k) pair of the router's top-k: slot s = token * top_k + k. Everything here stays
-on the device; nothing waits for the host.
+A slot is one (token, k) pair of the router's top-k: slot s = token * top_k + k. `order` lists the
+slots sorted by expert; `inverse` is its inverse permutation (where each slot's row landed). Because
+both are permutations, every backward is a gather too: no atomics, deterministic, and nothing waits
+for the host. The Triton kernels run on CUDA (or when asked, e.g. under TRITON_INTERPRET=1); torch
+references run elsewhere.
 """
 import torch
+import triton
+import triton.language as tl
 
 
-def sort_by_expert(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """expert_ids [tokens, top_k] -> (slot order sorted by expert [tokens * top_k], tokens_per_expert [E])."""
+def sort_by_expert(expert_ids: torch.Tensor, num_experts: int):
+    """expert_ids [tokens, top_k] -> (order [slots], inverse [slots], tokens_per_expert [E])."""
     flat = expert_ids.flatten()
     order = torch.argsort(flat, stable=True)
-    return order, torch.bincount(flat, minlength=num_experts)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    return order, inverse, torch.bincount(flat, minlength=num_experts)
 
 
-def gather_by_expert(x: torch.Tensor, order: torch.Tensor, top_k: int) -> torch.Tensor:
-    """x [tokens, hidden] -> [tokens * top_k, hidden], row i is the token of slot order[i]."""
+def dedup_by_rank(expert_ids: torch.Tensor, experts_per_rank: int, num_ranks: int):
+    """Metadata for sending each token once per destination rank (expert e lives on rank e // experts_per_rank).
+
+    Returns (pair_token [pairs], pair_rank [pairs], pairs_per_rank [num_ranks], pair_local_experts
+    [pairs, top_k]): the (token, rank) pairs sorted by rank then token, and for each pair the rank-local
+    expert ids of the token's slots on that rank (-1 for slots that go elsewhere).
+    """
+    slot_rank = expert_ids // experts_per_rank                                      # [T, k]
+    goes_to = torch.zeros(expert_ids.shape[0], num_ranks, dtype=torch.bool, device=expert_ids.device)
+    goes_to.scatter_(1, slot_rank, True)
+    pair_rank, pair_token = goes_to.T.nonzero(as_tuple=True)                        # rank-major order
+    local = torch.where(slot_rank[pair_token] == pair_rank[:, None], expert_ids[pair_token] % experts_per_rank, -1)
+    return pair_token, pair_rank, torch.bincount(pair_rank, minlength=num_ranks), local
+
+
+@triton.jit
+def _gather_kernel(src_ptr, order_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    """out[i] = src[order[i] // TOP_K]"""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    token = tl.load(order_ptr + row) // TOP_K
+    values = tl.load(src_ptr + token * hidden + cols, mask=cols < hidden)
+    tl.store(out_ptr + row * hidden + cols, values, mask=cols < hidden)
+
+
+@triton.jit
+def _sum_slots_kernel(src_ptr, inverse_ptr, weights_ptr, out_ptr, hidden,
+                      TOP_K: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK: tl.constexpr):
+    """out[t] = sum_j w[t, j] * src[inverse[t * TOP_K + j]] (w = 1 when not WEIGHTED), fp32 accumulation."""
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        row = tl.load(inverse_ptr + token * TOP_K + j)
+        values = tl.load(src_ptr + row * hidden + cols, mask=cols < hidden, other=0.0).to(tl.float32)
+        if WEIGHTED:
+            values *= tl.load(weights_ptr + token * TOP_K + j).to(tl.float32)
+        acc += values
+    tl.store(out_ptr + token * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=cols < hidden)
+
+
+@triton.jit
+def _combine_backward_kernel(grad_out_ptr, expert_out_ptr, order_ptr, weights_ptr, grad_expert_out_ptr,
+                             grad_weights_ptr, hidden, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    """For expert-order row i of slot s = order[i]: d expert_out[i] = w[s] * g[s // TOP_K] and
+    d w[s] = <g[s // TOP_K], expert_out[i]>."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    slot = tl.load(order_ptr + row)
+    grad = tl.load(grad_out_ptr + (slot // TOP_K) * hidden + cols, mask=cols < hidden, other=0.0).to(tl.float32)
+    values = tl.load(expert_out_ptr + row * hidden + cols, mask=cols < hidden, other=0.0).to(tl.float32)
+    weight = tl.load(weights_ptr + slot).to(tl.float32)
+    tl.store(grad_expert_out_ptr + row * hidden + cols,
+             (weight * grad).to(grad_expert_out_ptr.dtype.element_ty), mask=cols < hidden)
+    tl.store(grad_weights_ptr + slot, tl.sum(grad * values).to(grad_weights_ptr.dtype.element_ty))
+
+
+def _launch(kernel, rows: int, hidden: int, *args, **constants):
+    if rows:
+        kernel[(rows,)](*args, hidden, BLOCK=triton.next_power_of_2(hidden), num_warps=8 if hidden > 2048 else 4,
+                        **constants)
+
+
+def gather_rows(src, order, top_k):
+    out = src.new_empty(order.numel(), src.shape[1])
+    _launch(_gather_kernel, order.numel(), src.shape[1], src, order, out, TOP_K=top_k)
+    return out
+
+
+def sum_slots(src, inverse, top_k, weights=None, out_dtype=None):
+    out = src.new_empty(inverse.numel() // top_k, src.shape[1], dtype=out_dtype or src.dtype)
+    _launch(_sum_slots_kernel, out.shape[0], src.shape[1], src, inverse, weights if weights is not None else inverse,
+            out, TOP_K=top_k, WEIGHTED=weights is not None)
+    return out
+
+
+class _Dispatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, order, inverse, top_k):
+        ctx.save_for_backward(inverse)
+        ctx.top_k = top_k
+        return gather_rows(x.contiguous(), order, top_k)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inverse,) = ctx.saved_tensors
+        return sum_slots(grad.contiguous(), inverse, ctx.top_k), None, None, None
+
+
+class _Combine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, expert_out, weights, order, inverse, top_k):
+        expert_out, weights = expert_out.contiguous(), weights.contiguous()
+        ctx.save_for_backward(expert_out, weights, order)
+        ctx.top_k = top_k
+        return sum_slots(expert_out, inverse, top_k, weights)
+
+    @staticmethod
+    def backward(ctx, grad):
+        expert_out, weights, order = ctx.saved_tensors
+        grad_expert_out = torch.empty_like(expert_out)
+        grad_weights = torch.empty_like(weights)
+        _launch(_combine_backward_kernel, order.numel(), expert_out.shape[1], grad.contiguous(), expert_out, order,
+                weights, grad_expert_out, grad_weights, TOP_K=ctx.top_k)
+        return grad_expert_out, grad_weights, None, None, None
+
+
+def dispatch_reference(x, order, top_k):
     return x.index_select(0, order // top_k)
 
 
-def scatter_to_slots(y: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
-    """Inverse of gather_by_expert's ordering: y [slots, hidden] in expert order -> slot order."""
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel(), device=order.device)
-    return y.index_select(0, inverse)
+def combine_reference(expert_out, weights, inverse, top_k):
+    slots = expert_out.index_select(0, inverse).unflatten(0, (-1, top_k)).float()
+    return (slots * weights.float().unsqueeze(-1)).sum(1).to(expert_out.dtype)
+
+
+def dispatch_tokens(x, order, inverse, top_k, use_kernel=None):
+    """x [tokens, hidden] -> [tokens * top_k, hidden], row i holding the token of slot order[i]."""
+    if use_kernel if use_kernel is not None else x.is_cuda:
+        return _Dispatch.apply(x, order, inverse, top_k)
+    return dispatch_reference(x, order, top_k)
+
+
+def combine_tokens(expert_out, weights, order, inverse, top_k, use_kernel=None):
+    """expert_out [slots, hidden] in expert order, weights [tokens, top_k] -> [tokens, hidden]:
+    each token's expert outputs times its routing weights, summed in fp32."""
+    if use_kernel if use_kernel is not None else expert_out.is_cuda:
+        return _Combine.apply(expert_out, weights, order, inverse, top_k)
+    return combine_reference(expert_out, weights, inverse, top_k)

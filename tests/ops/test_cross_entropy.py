@@ -1,0 +1,50 @@
+import pytest
+import torch
+
+from conftest import relative_error
+from pith_ops.cross_entropy import linear_cross_entropy, linear_cross_entropy_reference
+
+# Loss: the reference on the same inputs (bf16 logits upcast to fp32, as in torch) within 1e-5.
+# Gradients against an fp32 reference: float32 1e-5 (summation order); bfloat16 1e-2 (bf16 logits and
+# gradients, each rounded to 2**-8 relative).
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,chunk_size", [(1, 4), (37, 8), (64, 64), (50, 1024)])
+def test_matches_reference_loss_and_gradients(tokens, chunk_size, dtype):
+    generator = torch.Generator().manual_seed(tokens)
+    hidden = torch.randn(tokens, 24, generator=generator).to(dtype)
+    weight = (torch.randn(101, 24, generator=generator) * 0.5).to(dtype)
+    labels = torch.randint(0, 101, (tokens,), generator=generator)
+    labels[::3] = -100   # ignored tokens, including the first
+
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss = linear_cross_entropy(h, w, labels, chunk_size=chunk_size)
+    (loss * 0.37).backward()   # a scale, as the trainer's 1 / token count
+    h_ref, w_ref = hidden.float().requires_grad_(), weight.float().requires_grad_()
+    expected = linear_cross_entropy_reference(h_ref, w_ref, labels)
+    (expected * 0.37).backward()
+
+    same_inputs = linear_cross_entropy_reference(hidden, weight, labels)
+    assert loss.dtype == torch.float32
+    assert abs(loss.item() - same_inputs.item()) <= 1e-5 * max(1.0, abs(same_inputs.item()))
+    if (labels != -100).any():
+        assert relative_error(h.grad, h_ref.grad) < TOLERANCE[dtype]
+        assert relative_error(w.grad, w_ref.grad) < TOLERANCE[dtype]
+    assert torch.all(h.grad[labels == -100] == 0)
+
+
+def test_only_hidden_needs_gradient():
+    hidden = torch.randn(10, 8, requires_grad=True)
+    weight = torch.randn(30, 8)
+    labels = torch.randint(0, 30, (10,))
+    linear_cross_entropy(hidden, weight, labels, chunk_size=4).backward()
+    h_ref = hidden.detach().clone().requires_grad_()
+    linear_cross_entropy_reference(h_ref, weight, labels).backward()
+    assert relative_error(hidden.grad, h_ref.grad) < 1e-5
+
+
+def test_mismatched_labels_are_named():
+    with pytest.raises(ValueError, match="3 hidden rows but 4 labels"):
+        linear_cross_entropy(torch.randn(3, 4), torch.randn(5, 4), torch.zeros(4, dtype=torch.long))
