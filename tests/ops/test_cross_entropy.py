@@ -10,17 +10,18 @@ from pith_ops.cross_entropy import linear_cross_entropy, linear_cross_entropy_re
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
 
+@pytest.mark.parametrize("use_kernel", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tokens,chunk_size", [(1, 4), (37, 8), (64, 64), (50, 1024)])
-def test_matches_reference_loss_and_gradients(tokens, chunk_size, dtype):
+@pytest.mark.parametrize("tokens,chunk_size,vocab", [(1, 4, 101), (37, 8, 101), (64, 64, 5000), (50, 1024, 4096)])
+def test_matches_reference_loss_and_gradients(tokens, chunk_size, vocab, dtype, use_kernel):
     generator = torch.Generator().manual_seed(tokens)
     hidden = torch.randn(tokens, 24, generator=generator).to(dtype)
-    weight = (torch.randn(101, 24, generator=generator) * 0.5).to(dtype)
-    labels = torch.randint(0, 101, (tokens,), generator=generator)
+    weight = (torch.randn(vocab, 24, generator=generator) * 0.5).to(dtype)
+    labels = torch.randint(0, vocab, (tokens,), generator=generator)
     labels[::3] = -100   # ignored tokens, including the first
 
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    loss = linear_cross_entropy(h, w, labels, chunk_size=chunk_size)
+    loss = linear_cross_entropy(h, w, labels, chunk_size=chunk_size, use_kernel=use_kernel)
     (loss * 0.37).backward()   # a scale, as the trainer's 1 / token count
     h_ref, w_ref = hidden.float().requires_grad_(), weight.float().requires_grad_()
     expected = linear_cross_entropy_reference(h_ref, w_ref, labels)

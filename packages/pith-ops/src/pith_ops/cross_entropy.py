@@ -1,12 +1,17 @@
 """LM head + cross-entropy without the full [tokens, vocab] logits.
 
-Tokens are processed in chunks: each chunk's logits are computed in fp32, turned into its loss and, in
-the same pass, into the gradients of the hidden states and of the head weight (softmax minus one-hot),
-then dropped. Backward only scales the stored gradients by the incoming scalar, so the logits are
-never recomputed. For 4096 tokens and a 151,936 vocabulary the fp32 logits alone would be 2.5 GB;
-here the peak is one chunk of them plus the weight gradient.
+Tokens are processed in chunks: each chunk's logits are turned into its loss and, in the same pass,
+into the gradients of the hidden states and of the head weight (softmax minus one-hot), then dropped.
+Backward only scales the stored gradients by the incoming scalar, so the logits are never recomputed.
+For 4096 tokens and a 151,936 vocabulary the fp32 logits alone would be 2.5 GB; here the peak is one
+chunk of logits in the compute dtype plus the weight gradient.
+
+On CUDA one Triton kernel per chunk reads the logits twice (online log-sum-exp, then the softmax
+gradient written over the logits in place); elsewhere the same math runs in fp32 torch ops.
 """
 import torch
+import triton
+import triton.language as tl
 
 IGNORE_INDEX = -100
 
@@ -16,23 +21,62 @@ def linear_cross_entropy_reference(hidden, weight, labels, ignore_index=IGNORE_I
     return torch.nn.functional.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="sum")
 
 
+@triton.jit
+def _loss_and_grad_kernel(logits_ptr, labels_ptr, loss_ptr, vocab, ignore_index, BLOCK: tl.constexpr):
+    """One row: loss = lse - logit[label]; logits row overwritten by softmax - one_hot (zero if ignored)."""
+    row = tl.program_id(0).to(tl.int64)
+    base = logits_ptr + row * vocab
+    # per-lane online log-sum-exp; a finite floor instead of -inf keeps lanes past the vocab free of inf - inf
+    running_max = tl.full((BLOCK,), -1e30, tl.float32)
+    running_sum = tl.zeros((BLOCK,), tl.float32)
+    for start in range(0, vocab, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(base + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
+        new_max = tl.maximum(running_max, x)
+        running_sum = running_sum * tl.exp(running_max - new_max) + tl.exp(x - new_max)
+        running_max = new_max
+    row_max = tl.max(running_max, axis=0)
+    lse = row_max + tl.log(tl.sum(running_sum * tl.exp(running_max - row_max), axis=0))
+    label = tl.load(labels_ptr + row)
+    valid = label != ignore_index
+    target = tl.load(base + tl.where(valid, label, 0)).to(tl.float32)
+    tl.store(loss_ptr + row, tl.where(valid, lse - target, 0.0))
+    for start in range(0, vocab, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(base + cols, mask=cols < vocab, other=0.0).to(tl.float32)
+        grad = tl.exp(x - lse) - tl.where(cols == label, 1.0, 0.0)
+        tl.store(base + cols, tl.where(valid, grad, 0.0).to(logits_ptr.dtype.element_ty), mask=cols < vocab)
+
+
+def _chunk_loss_and_grad_kernel(logits, labels, ignore_index):
+    losses = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+    _loss_and_grad_kernel[(logits.shape[0],)](logits, labels, losses, logits.shape[1], ignore_index,
+                                              BLOCK=4096, num_warps=8)
+    return losses.sum(), logits
+
+
+def _chunk_loss_and_grad_torch(logits, labels, ignore_index):
+    logits = logits.float()
+    valid = labels != ignore_index
+    target = torch.where(valid, labels, 0)
+    lse = torch.logsumexp(logits, dim=-1)
+    loss = ((lse - logits.gather(1, target[:, None]).squeeze(1)) * valid).sum()
+    grad = logits.sub_(lse[:, None]).exp_()   # in place: softmax - one_hot, zero for ignored tokens
+    grad.scatter_add_(1, target[:, None], -torch.ones_like(lse)[:, None])
+    return loss, grad.mul_(valid[:, None])
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, ignore_index, chunk_size):
+    def forward(ctx, hidden, weight, labels, ignore_index, chunk_size, use_kernel):
+        chunk_loss_and_grad = _chunk_loss_and_grad_kernel if use_kernel else _chunk_loss_and_grad_torch
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if hidden.requires_grad else None
         grad_weight = torch.zeros_like(weight) if weight.requires_grad else None
         for start in range(0, hidden.shape[0], chunk_size):
             h, y = hidden[start:start + chunk_size], labels[start:start + chunk_size]
-            logits = (h @ weight.T).float()
-            valid = y != ignore_index
-            target = torch.where(valid, y, 0)
-            lse = torch.logsumexp(logits, dim=-1)
-            loss += ((lse - logits.gather(1, target[:, None]).squeeze(1)) * valid).sum()
-            # d loss / d logits = softmax - one_hot(label), zero for ignored tokens; computed in place
-            grad_logits = logits.sub_(lse[:, None]).exp_()
-            grad_logits.scatter_add_(1, target[:, None], -torch.ones_like(lse)[:, None])
-            grad_logits.mul_(valid[:, None])
+            chunk_loss, grad_logits = chunk_loss_and_grad(h @ weight.T, y.contiguous(), ignore_index)
+            loss += chunk_loss
             grad_logits = grad_logits.to(hidden.dtype)
             if grad_hidden is not None:
                 torch.matmul(grad_logits, weight, out=grad_hidden[start:start + chunk_size])
@@ -47,16 +91,19 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):
         grads = tuple(g.mul_(grad_loss.to(g.dtype)) if g is not None else None for g in ctx.grads)
         del ctx.grads
-        return *grads, None, None, None
+        return *grads, None, None, None, None
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                         ignore_index: int = IGNORE_INDEX, chunk_size: int = 1024) -> torch.Tensor:
+                         ignore_index: int = IGNORE_INDEX, chunk_size: int = 2048,
+                         use_kernel: bool | None = None) -> torch.Tensor:
     """Token-summed fp32 cross-entropy of logits = hidden @ weight.T against labels.
 
     hidden [tokens, hidden_size], weight [vocab, hidden_size] (nn.Linear layout), labels [tokens] with
-    ignore_index marking tokens that count for nothing. Gradients flow to hidden and weight.
+    ignore_index marking tokens that count for nothing. Gradients flow to hidden and weight. The Triton
+    kernel runs on CUDA tensors (or when use_kernel=True, e.g. under TRITON_INTERPRET=1).
     """
     if hidden.shape[0] != labels.shape[0]:
         raise ValueError(f"linear_cross_entropy: {hidden.shape[0]} hidden rows but {labels.shape[0]} labels")
-    return _LinearCrossEntropy.apply(hidden, weight, labels, ignore_index, chunk_size)
+    use_kernel = hidden.is_cuda if use_kernel is None else use_kernel
+    return _LinearCrossEntropy.apply(hidden, weight, labels, ignore_index, chunk_size, use_kernel)

@@ -168,13 +168,12 @@ def _segment_sum_kernel(grad_ptr, offs_ptr, out_ptr, n_cols, BM: tl.constexpr, B
     row_end = tl.load(offs_ptr + expert)
     row_start = tl.load(offs_ptr + expert - 1, mask=expert > 0, other=0)
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
-    acc = tl.zeros((BN,), dtype=tl.float32)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)   # reduced over rows once, after the loop
     for r0 in range(row_start, row_end, BM):
         rows = r0 + tl.arange(0, BM)
-        block = tl.load(grad_ptr + rows[:, None].to(tl.int64) * n_cols + cols[None, :],
-                        mask=(rows[:, None] < row_end) & (cols[None, :] < n_cols), other=0.0)
-        acc += tl.sum(block.to(tl.float32), axis=0)
-    tl.store(out_ptr + expert * n_cols + cols, acc.to(out_ptr.dtype.element_ty), mask=cols < n_cols)
+        acc += tl.load(grad_ptr + rows[:, None].to(tl.int64) * n_cols + cols[None, :],
+                       mask=(rows[:, None] < row_end) & (cols[None, :] < n_cols), other=0.0).to(tl.float32)
+    tl.store(out_ptr + expert * n_cols + cols, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty), mask=cols < n_cols)
 
 
 class _GroupedBias(torch.autograd.Function):
@@ -196,7 +195,7 @@ class _GroupedBias(torch.autograd.Function):
         offs = torch.cumsum(tokens_per_expert, 0, dtype=torch.int32)
         grad_bias = grad.new_empty(tokens_per_expert.shape[0], grad.shape[1])
         _segment_sum_kernel[(grad_bias.shape[0], triton.cdiv(grad.shape[1], 128))](grad, offs, grad_bias, grad.shape[1],
-                                                                                   BM=32, BN=128)
+                                                                                   BM=64, BN=128, num_warps=8)
         return grad, grad_bias, None, None
 
 

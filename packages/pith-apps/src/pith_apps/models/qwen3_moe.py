@@ -17,6 +17,7 @@ from torch import nn
 from pith_apps.config import config_from_dict, require
 from pith_apps.models.layers import RMSNorm, SwiGLUExperts, apply_rotary, default_inv_freq, rope_parameters, rotary_cos_sin
 from pith_engine.moe import Routing, attach_aux_loss, run_moe_layer
+from pith_ops.cross_entropy import linear_cross_entropy
 
 
 @dataclass
@@ -166,5 +167,5 @@ class Qwen3MoeForCausalLM(nn.Module):
 
     def loss_sum(self, input_ids, labels):
         """Token-summed cross-entropy (fp32) over labels != -100; the caller divides once by the token count."""
-        logits = self.forward(input_ids)
-        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
+        hidden = self.hidden_states(input_ids).flatten(0, 1)
+        return linear_cross_entropy(hidden, self.lm_head.weight, labels.flatten())

@@ -1,0 +1,143 @@
+"""pith-ops kernels on one GPU: bandwidth of the memory-bound kernels against the measured device copy,
+grouped GEMM TFLOP/s at real expert shapes against torch's grouped_mm and the measured bf16 peak, and the
+fused LM-head cross-entropy's time and peak memory against torch's logits + F.cross_entropy.
+
+Run on the device machine from the repo root:
+  PYTHONPATH=packages/pith-ops/src python3 bench/ops.py      (writes $OUT/ops.json when OUT is set)
+"""
+import json
+import os
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+from pith_ops.cross_entropy import linear_cross_entropy
+from pith_ops.grouped_gemm import grouped_bias_add, grouped_linear
+from pith_ops.swiglu import swiglu
+from pith_ops.token_permute import combine_tokens, dispatch_tokens, sort_by_expert
+
+DEV, BF16 = "cuda", torch.bfloat16
+ROWS = []
+
+
+def report(**row):
+    ROWS.append(row)
+    print(json.dumps(row), flush=True)
+
+
+def ms(fn):
+    return do_bench(fn, warmup=25, rep=200)
+
+
+def peak_tflops():
+    a, b = torch.randn(8192, 8192, device=DEV, dtype=BF16), torch.randn(8192, 8192, device=DEV, dtype=BF16)
+    return 2 * 8192**3 / ms(lambda: a @ b) / 1e9
+
+
+def copy_gbps():
+    x = torch.empty(2**30 // 2, device=DEV, dtype=BF16)
+    return 2 * x.numel() * 2 / ms(lambda: x.clone()) / 1e6
+
+
+def routing(tokens, top_k, experts):
+    scores = torch.rand(tokens, experts, device=DEV)
+    weights, ids = torch.topk(scores, top_k)
+    return ids, weights.to(BF16)
+
+
+def bench_memory_bound(copy, tokens=32768, hidden=2048, top_k=8, experts=128, inter=768):
+    """Bytes moved over time, as a fraction of the copy bandwidth (read + write)."""
+    gate_up = torch.randn(tokens, 2 * inter, device=DEV, dtype=BF16, requires_grad=True)
+    out = swiglu(gate_up)
+    grad = torch.randn_like(out)
+    nbytes = gate_up.numel() * 2 + out.numel() * 2
+    t = ms(lambda: swiglu(gate_up))
+    report(kernel="swiglu fwd", shape=list(gate_up.shape), ms=round(t, 4), gbps=round(nbytes / t / 1e6), of_copy=round(nbytes / t / 1e6 / copy, 3))
+    t = ms(lambda: torch.autograd.grad(out, gate_up, grad, retain_graph=True))
+    nbytes = 2 * gate_up.numel() * 2 + grad.numel() * 2
+    report(kernel="swiglu bwd", shape=list(gate_up.shape), ms=round(t, 4), gbps=round(nbytes / t / 1e6), of_copy=round(nbytes / t / 1e6 / copy, 3))
+
+    x = torch.randn(tokens // top_k, hidden, device=DEV, dtype=BF16, requires_grad=True)
+    ids, weights = routing(x.shape[0], top_k, experts)
+    weights.requires_grad_()
+    order, inverse, counts = sort_by_expert(ids, experts)
+    slots = order.numel() * hidden * 2
+    t = ms(lambda: dispatch_tokens(x, order, inverse, top_k))
+    report(kernel="dispatch gather", tokens=x.shape[0], top_k=top_k, ms=round(t, 4), gbps=round(2 * slots / t / 1e6), of_copy=round(2 * slots / t / 1e6 / copy, 3))
+    y = torch.randn(order.numel(), hidden, device=DEV, dtype=BF16, requires_grad=True)
+    t = ms(lambda: combine_tokens(y, weights, order, inverse, top_k))
+    nbytes = slots + x.numel() * 2
+    report(kernel="combine fwd", tokens=x.shape[0], top_k=top_k, ms=round(t, 4), gbps=round(nbytes / t / 1e6), of_copy=round(nbytes / t / 1e6 / copy, 3))
+    combined = combine_tokens(y, weights, order, inverse, top_k)
+    g = torch.randn_like(combined)
+    t = ms(lambda: torch.autograd.grad(combined, (y, weights), g, retain_graph=True))
+    nbytes = 2 * slots + order.numel() * x.shape[1] * 2
+    report(kernel="combine bwd", tokens=x.shape[0], top_k=top_k, ms=round(t, 4), gbps=round(nbytes / t / 1e6), of_copy=round(nbytes / t / 1e6 / copy, 3))
+    t_ref = ms(lambda: (y.index_select(0, inverse).view(-1, top_k, hidden) * weights[..., None]).sum(1))
+    report(kernel="combine fwd, torch index_select+mul+sum", ms=round(t_ref, 4))
+
+    bias = torch.randn(experts, hidden, device=DEV, dtype=BF16, requires_grad=True)
+    biased = grouped_bias_add(y, bias, counts)
+    t = ms(lambda: torch.autograd.grad(biased, bias, y, retain_graph=True))
+    report(kernel="grouped bias bwd (segment sum)", ms=round(t, 4), gbps=round(slots / t / 1e6), of_copy=round(slots / t / 1e6 / copy, 3))
+
+
+def bench_grouped_gemm(peak, name, tokens, top_k, experts, hidden, inter):
+    ids, _ = routing(tokens, top_k, experts)
+    counts = torch.bincount(ids.flatten(), minlength=experts)
+    x = torch.randn(tokens * top_k, hidden, device=DEV, dtype=BF16)
+    for proj, w in (("gate_up", torch.randn(experts, 2 * inter, hidden, device=DEV, dtype=BF16)),
+                    ("down", torch.randn(experts, hidden, inter, device=DEV, dtype=BF16))):
+        a = x if proj == "gate_up" else torch.randn(tokens * top_k, inter, device=DEV, dtype=BF16)
+        flops = 2 * a.shape[0] * w.shape[1] * w.shape[2]
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        row = dict(kernel=f"grouped GEMM {name} {proj} fwd", slots=a.shape[0], experts=experts, n=w.shape[1], k=w.shape[2])
+        for label, fn in (("pith", lambda: grouped_linear(a, w, counts)),
+                          ("pith_triton", lambda: grouped_linear(a, w, counts, use_triton=True)),
+                          ("torch_grouped_mm", lambda: F.grouped_mm(a, w.transpose(-2, -1), offs=offs))):
+            tflops = flops / ms(fn) / 1e9
+            row[f"{label}_tflops"], row[f"{label}_of_peak"] = round(tflops), round(tflops / peak, 3)
+        report(**row)
+
+
+def bench_cross_entropy(tokens=4096, hidden=2048, vocab=151936):
+    h = torch.randn(tokens, hidden, device=DEV, dtype=BF16, requires_grad=True)
+    w = (torch.randn(vocab, hidden, device=DEV, dtype=BF16) * 0.02).requires_grad_()
+    labels = torch.randint(0, vocab, (tokens,), device=DEV)
+
+    def torch_path():
+        F.cross_entropy((h @ w.T).float(), labels, reduction="sum").backward()
+
+    def pith_path():
+        linear_cross_entropy(h, w, labels).backward()
+    for label, fn in (("torch logits + F.cross_entropy", torch_path), ("pith linear_cross_entropy", pith_path)):
+        fn()
+        h.grad = w.grad = None
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        fn()
+        peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+        h.grad = w.grad = None
+
+        def step():
+            fn()
+            h.grad = w.grad = None
+        report(kernel=f"LM head + CE fwd+bwd: {label}", tokens=tokens, vocab=vocab, ms=round(ms(step), 3),
+               extra_peak_gib=round(peak, 3))
+
+
+if __name__ == "__main__":
+    import triton
+    print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name(), flush=True)
+    peak, copy = peak_tflops(), copy_gbps()
+    report(measure="bf16 matmul 8192^3 TFLOP/s", value=round(peak))
+    report(measure="device copy GB/s (read + write)", value=round(copy))
+    bench_memory_bound(copy)
+    bench_grouped_gemm(peak, "Qwen3-30B-A3B", tokens=4096, top_k=8, experts=128, hidden=2048, inter=768)
+    bench_grouped_gemm(peak, "DeepSeek-V2-Lite", tokens=4096, top_k=6, experts=64, hidden=2048, inter=1408)
+    bench_cross_entropy()
+    if os.environ.get("OUT"):
+        json.dump(dict(torch=torch.__version__, gpu=torch.cuda.get_device_name(), rows=ROWS),
+                  open(os.path.join(os.environ["OUT"], "ops.json"), "w"), indent=1)
