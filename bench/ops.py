@@ -7,15 +7,16 @@ Run on the device machine from the repo root:
 """
 import json
 import os
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
-from triton.testing import do_bench
+from triton.testing import do_bench, do_bench_cudagraph
 
 from pith_ops.cross_entropy import linear_cross_entropy
-from pith_ops.grouped_gemm import grouped_bias_add, grouped_linear
-from pith_ops.swiglu import swiglu
-from pith_ops.token_permute import combine_tokens, dispatch_tokens, sort_by_expert
+from pith_ops.grouped_gemm import _GroupedBias, grouped_linear
+from pith_ops.swiglu import _SwiGLU, clamped_swiglu, swiglu
+from pith_ops.token_permute import _Combine, _Dispatch, combine_tokens, dispatch_tokens, sort_by_expert
 
 DEV, BF16 = "cuda", torch.bfloat16
 ROWS = []
@@ -28,6 +29,17 @@ def report(**row):
 
 def ms(fn):
     return do_bench(fn, warmup=25, rep=200)
+
+
+def graph_ms(fn):
+    """Kernel time without the Python overhead between launches: fn replayed from a CUDA graph. Backward
+    passes are timed by calling the autograd Function's backward directly (the autograd engine cannot be
+    captured), with ctx() standing in for the context forward would have saved."""
+    return do_bench_cudagraph(fn, rep=100)
+
+
+def ctx(*saved, **attributes):
+    return SimpleNamespace(saved_tensors=saved, **attributes)
 
 
 def peak_tflops():
@@ -52,35 +64,49 @@ def bench_memory_bound(copy, tokens=32768, hidden=2048, top_k=8, experts=128, in
     out = swiglu(gate_up)
     grad = torch.randn_like(out)
     nbytes = gate_up.numel() * 2 + out.numel() * 2
-    t = ms(lambda: swiglu(gate_up))
+    t = graph_ms(lambda: swiglu(gate_up))
     report(kernel="swiglu fwd", shape=list(gate_up.shape), ms=round(t, 4), gbps=round(nbytes / t / 1e6), of_copy=round(nbytes / t / 1e6 / copy, 3))
-    t = ms(lambda: torch.autograd.grad(out, gate_up, grad, retain_graph=True))
+    t = graph_ms(lambda: _SwiGLU.backward(ctx(gate_up, alpha=1.0, limit=0.0, clamped=False), grad))
     nbytes = 2 * gate_up.numel() * 2 + grad.numel() * 2
     report(kernel="swiglu bwd", shape=list(gate_up.shape), ms=round(t, 4), gbps=round(nbytes / t / 1e6), of_copy=round(nbytes / t / 1e6 / copy, 3))
+
+    gpt_oss = torch.randn(tokens // 2, 2 * 2880, device=DEV, dtype=BF16) * 4   # GPT-OSS: 4096 tokens x top-4
+    clamped = clamped_swiglu(gpt_oss)
+    nbytes = gpt_oss.numel() * 2 + clamped.numel() * 2
+    t = graph_ms(lambda: clamped_swiglu(gpt_oss))
+    report(kernel="clamped swiglu fwd", shape=list(gpt_oss.shape), ms=round(t, 4), gbps=round(nbytes / t / 1e6), of_copy=round(nbytes / t / 1e6 / copy, 3))
+    grad = torch.randn_like(clamped)
+    t = graph_ms(lambda: _SwiGLU.backward(ctx(gpt_oss, alpha=1.702, limit=7.0, clamped=True), grad))
+    nbytes = 2 * gpt_oss.numel() * 2 + grad.numel() * 2
+    report(kernel="clamped swiglu bwd", shape=list(gpt_oss.shape), ms=round(t, 4), gbps=round(nbytes / t / 1e6), of_copy=round(nbytes / t / 1e6 / copy, 3))
 
     x = torch.randn(tokens // top_k, hidden, device=DEV, dtype=BF16, requires_grad=True)
     ids, weights = routing(x.shape[0], top_k, experts)
     weights.requires_grad_()
     order, inverse, counts = sort_by_expert(ids, experts)
     slots = order.numel() * hidden * 2
-    t = ms(lambda: dispatch_tokens(x, order, inverse, top_k))
+    t = graph_ms(lambda: dispatch_tokens(x, order, inverse, top_k))
     report(kernel="dispatch gather", tokens=x.shape[0], top_k=top_k, ms=round(t, 4), gbps=round(2 * slots / t / 1e6), of_copy=round(2 * slots / t / 1e6 / copy, 3))
     y = torch.randn(order.numel(), hidden, device=DEV, dtype=BF16, requires_grad=True)
-    t = ms(lambda: combine_tokens(y, weights, order, inverse, top_k))
+    t = graph_ms(lambda: combine_tokens(y, weights, order, inverse, top_k))
     nbytes = slots + x.numel() * 2
     report(kernel="combine fwd", tokens=x.shape[0], top_k=top_k, ms=round(t, 4), gbps=round(nbytes / t / 1e6), of_copy=round(nbytes / t / 1e6 / copy, 3))
     combined = combine_tokens(y, weights, order, inverse, top_k)
     g = torch.randn_like(combined)
-    t = ms(lambda: torch.autograd.grad(combined, (y, weights), g, retain_graph=True))
+    t = graph_ms(lambda: _Combine.backward(ctx(y, weights, order, top_k=top_k), g))
     nbytes = 2 * slots + order.numel() * x.shape[1] * 2
     report(kernel="combine bwd", tokens=x.shape[0], top_k=top_k, ms=round(t, 4), gbps=round(nbytes / t / 1e6), of_copy=round(nbytes / t / 1e6 / copy, 3))
-    t_ref = ms(lambda: (y.index_select(0, inverse).view(-1, top_k, hidden) * weights[..., None]).sum(1))
+    t_ref = graph_ms(lambda: (y.index_select(0, inverse).view(-1, top_k, hidden) * weights[..., None]).sum(1))
     report(kernel="combine fwd, torch index_select+mul+sum", ms=round(t_ref, 4))
+    t = graph_ms(lambda: _Dispatch.backward(ctx(inverse, top_k=top_k), y))
+    report(kernel="dispatch bwd (sum of slots)", ms=round(t, 4), gbps=round((slots + x.numel() * 2) / t / 1e6),
+           of_copy=round((slots + x.numel() * 2) / t / 1e6 / copy, 3))
 
-    bias = torch.randn(experts, hidden, device=DEV, dtype=BF16, requires_grad=True)
-    biased = grouped_bias_add(y, bias, counts)
-    t = ms(lambda: torch.autograd.grad(biased, bias, y, retain_graph=True))
+    t = graph_ms(lambda: _GroupedBias.backward(ctx(counts, use_kernel=True), y))
     report(kernel="grouped bias bwd (segment sum)", ms=round(t, 4), gbps=round(slots / t / 1e6), of_copy=round(slots / t / 1e6 / copy, 3))
+    expert_of_row = torch.repeat_interleave(torch.arange(experts, device=DEV), counts)
+    t = graph_ms(lambda: torch.zeros(experts, hidden, device=DEV, dtype=BF16).index_add_(0, expert_of_row, y))
+    report(kernel="grouped bias bwd, torch index_add_", ms=round(t, 4))
 
 
 def bench_grouped_gemm(peak, name, tokens, top_k, experts, hidden, inter):

@@ -7,6 +7,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Where Triton kernels run in tests: the GPU when there is one, else the CPU under the interpreter.
+KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """Norm of the difference over the norm of the expected value, in float64."""

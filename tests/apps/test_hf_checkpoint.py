@@ -6,9 +6,9 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from conftest import relative_error
-from hf_compare import compare_forward_and_backward, load_ours, save_tiny_hf_model, shifted_labels
+from hf_compare import check_export_round_trip, compare_forward_and_backward, load_ours, save_tiny_hf_model, shifted_labels
 from pith_apps.config import ConfigError
-from pith_apps.hf_checkpoint import load_hf_weights, mxfp4_decode, save_hf
+from pith_apps.hf_checkpoint import load_hf_weights, mxfp4_decode
 from pith_apps.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 
@@ -48,16 +48,7 @@ def test_qwen3_aux_loss_gradient_matches_transformers(tmp_path):
 
 
 def test_export_then_import_is_bit_exact_and_transformers_reproduces_our_logits(qwen3_dir, tmp_path):
-    ours = load_ours(Qwen3MoeConfig, Qwen3MoeForCausalLM, qwen3_dir)
-    config = json.loads((qwen3_dir / "config.json").read_text())
-    save_hf(ours, config, tmp_path / "export", max_shard_bytes=100_000)   # several shards and an index
-    assert len(list((tmp_path / "export").glob("*.safetensors"))) > 1
-    again = load_ours(Qwen3MoeConfig, Qwen3MoeForCausalLM, tmp_path / "export")
-    for (name, a), (_, b) in zip(ours.state_dict().items(), again.state_dict().items()):
-        assert torch.equal(a, b), name
-    hf_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export", attn_implementation="eager")
-    ids = torch.randint(0, 97, (1, 64), generator=torch.Generator().manual_seed(2))
-    assert relative_error(hf_model(input_ids=ids).logits.detach(), ours(ids).detach()) < 1e-5
+    check_export_round_trip(Qwen3MoeConfig, Qwen3MoeForCausalLM, qwen3_dir, tmp_path / "export")
 
 
 def test_mxfp4_decode_matches_an_independent_decode():

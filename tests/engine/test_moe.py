@@ -1,7 +1,8 @@
+import pytest
 import torch
 
 from conftest import relative_error
-from pith_engine.moe import Routing, attach_aux_loss, combine, dispatch, run_moe_layer
+from pith_engine.moe import Routing, attach_aux_loss, combine, dispatch, run_moe_layer, switch_aux_loss
 
 
 class ScaleExperts(torch.nn.Module):
@@ -17,8 +18,8 @@ class ScaleExperts(torch.nn.Module):
         scale = torch.repeat_interleave(torch.arange(1.0, 5.0), tokens_per_expert)
         return x * scale[:, None]
 
-    def aggregate_stage(self, hidden, expert_out, routing):
-        return hidden + (expert_out * routing.weights[..., None]).sum(1).view_as(hidden)
+    def aggregate_stage(self, hidden, tokens, routed):
+        return hidden + routed.view_as(hidden)
 
 
 def test_five_stages_in_order_equal_the_direct_computation():
@@ -29,12 +30,23 @@ def test_five_stages_in_order_equal_the_direct_computation():
     assert relative_error(run_moe_layer(layer, x), direct.view_as(x)) < 1e-6
 
 
-def test_dispatch_then_combine_returns_every_slot_to_its_token():
+def test_dispatch_then_combine_returns_every_slot_to_its_token_weighted():
     tokens = torch.randn(6, 4)
-    routing = Routing(torch.tensor([[0, 2], [2, 1], [1, 0], [3, 2], [0, 3], [2, 0]]), torch.ones(6, 2))
+    weights = torch.rand(6, 2)
+    routing = Routing(torch.tensor([[0, 2], [2, 1], [1, 0], [3, 2], [0, 3], [2, 0]]), weights)
     expert_in, plan = dispatch(tokens, routing, num_experts=4)
     assert plan.tokens_per_expert.tolist() == [4, 2, 4, 2]
-    assert torch.equal(combine(expert_in, plan), tokens[:, None].expand(-1, 2, -1))
+    assert relative_error(combine(expert_in, routing, plan), tokens * weights.sum(1, keepdim=True)) < 1e-6
+
+
+def test_switch_aux_loss_is_top_k_when_balanced_and_counts_chosen_experts():
+    probs = torch.full((8, 4), 0.25)
+    expert_ids = torch.tensor([[0, 1], [2, 3]] * 4)
+    # perfectly balanced: 4 * sum_e (4 / 8) * 0.25 = 2 = top_k
+    assert switch_aux_loss(probs, expert_ids, 4).item() == pytest.approx(2.0)
+    skewed = torch.tensor([[0, 1]] * 8)
+    probs = torch.tensor([[0.7, 0.1, 0.1, 0.1]]).expand(8, -1)
+    assert switch_aux_loss(probs, skewed, 4).item() == pytest.approx(4 * (1 * 0.7 + 1 * 0.1))
 
 
 def test_attached_aux_loss_gets_gradient_one_and_leaves_the_value_unchanged():

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from conftest import relative_error
+from conftest import KERNEL_DEVICE, relative_error
 from pith_ops.cross_entropy import linear_cross_entropy, linear_cross_entropy_reference
 
 # Loss: the reference on the same inputs (bf16 logits upcast to fp32, as in torch) within 1e-5.
@@ -20,9 +20,11 @@ def test_matches_reference_loss_and_gradients(tokens, chunk_size, vocab, dtype, 
     labels = torch.randint(0, vocab, (tokens,), generator=generator)
     labels[::3] = -100   # ignored tokens, including the first
 
-    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    loss = linear_cross_entropy(h, w, labels, chunk_size=chunk_size, use_kernel=use_kernel)
+    device = KERNEL_DEVICE if use_kernel else "cpu"
+    h, w = (t.to(device, copy=True).requires_grad_() for t in (hidden, weight))
+    loss = linear_cross_entropy(h, w, labels.to(device), chunk_size=chunk_size, use_kernel=use_kernel)
     (loss * 0.37).backward()   # a scale, as the trainer's 1 / token count
+    loss, grad_h, grad_w = loss.cpu(), h.grad.cpu(), w.grad.cpu()
     h_ref, w_ref = hidden.float().requires_grad_(), weight.float().requires_grad_()
     expected = linear_cross_entropy_reference(h_ref, w_ref, labels)
     (expected * 0.37).backward()
@@ -31,9 +33,9 @@ def test_matches_reference_loss_and_gradients(tokens, chunk_size, vocab, dtype, 
     assert loss.dtype == torch.float32
     assert abs(loss.item() - same_inputs.item()) <= 1e-5 * max(1.0, abs(same_inputs.item()))
     if (labels != -100).any():
-        assert relative_error(h.grad, h_ref.grad) < TOLERANCE[dtype]
-        assert relative_error(w.grad, w_ref.grad) < TOLERANCE[dtype]
-    assert torch.all(h.grad[labels == -100] == 0)
+        assert relative_error(grad_h, h_ref.grad) < TOLERANCE[dtype]
+        assert relative_error(grad_w, w_ref.grad) < TOLERANCE[dtype]
+    assert torch.all(grad_h[labels == -100] == 0)
 
 
 def test_only_hidden_needs_gradient():

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from conftest import relative_error
+from conftest import KERNEL_DEVICE, relative_error
 from pith_ops.grouped_gemm import grouped_bias_add, grouped_linear, grouped_linear_reference
 from pith_ops.token_permute import combine_tokens, dedup_by_rank, dispatch_tokens, sort_by_expert
 
@@ -34,11 +34,13 @@ def test_dispatch_and_combine_kernels_match_references_forward_and_backward(toke
     grad = torch.randn(tokens, hidden, generator=generator).to(dtype)
 
     def run(use_kernel):
-        x_, w_ = x.clone().requires_grad_(), weights.clone().requires_grad_()
-        expert_out = dispatch_tokens(x_, order, inverse, top_k, use_kernel) * 1.5   # a stand-in expert
-        out = combine_tokens(expert_out, w_, order, inverse, top_k, use_kernel)
-        out.backward(grad)
-        return expert_out, out, x_.grad, w_.grad
+        device = KERNEL_DEVICE if use_kernel else "cpu"
+        x_, w_ = x.to(device).requires_grad_(), weights.to(device).requires_grad_()
+        o, i = order.to(device), inverse.to(device)
+        expert_out = dispatch_tokens(x_, o, i, top_k, use_kernel) * 1.5   # a stand-in expert
+        out = combine_tokens(expert_out, w_, o, i, top_k, use_kernel)
+        out.backward(grad.to(device))
+        return [t.cpu() for t in (expert_out, out, x_.grad, w_.grad)]
     # dispatch is a copy (exact); combine sums top_k products in fp32 and rounds once to the dtype
     tolerance = {torch.float32: 1e-6, torch.bfloat16: 8e-3}[dtype]
     for got, expected in zip(run(True), run(False)):
@@ -61,31 +63,33 @@ def test_dedup_by_rank_sends_each_token_once_per_destination_rank():
 @pytest.mark.parametrize("counts", [[3, 0, 70], [0, 0, 1], [5], [1, 1, 1, 1], [0, 0, 0], [65, 0, 0, 130]])
 def test_grouped_linear_matches_per_expert_matmul_forward_and_backward(counts, use_triton):
     torch.manual_seed(0)
+    device = KERNEL_DEVICE if use_triton else "cpu"
     tokens_per_expert = torch.tensor(counts)
-    x = torch.randn(sum(counts), 24, requires_grad=True)
-    weight = torch.randn(len(counts), 40, 24, requires_grad=True)
-    grad = torch.randn(sum(counts), 40)
-    out = grouped_linear(x, weight, tokens_per_expert, use_triton=use_triton)
+    x = torch.randn(sum(counts), 24, device=device, requires_grad=True)
+    weight = torch.randn(len(counts), 40, 24, device=device, requires_grad=True)
+    grad = torch.randn(sum(counts), 40, device=device)
+    out = grouped_linear(x, weight, tokens_per_expert.to(device), use_triton=use_triton)
     out.backward(grad)
     x_ref, w_ref = x.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
     expected = grouped_linear_reference(x_ref, w_ref, tokens_per_expert)
-    expected.backward(grad) if sum(counts) else None
     # float32 matmuls of the same sizes: only summation order may differ
     assert out.shape == (sum(counts), 40)
     if sum(counts):
+        expected.backward(grad)
         assert relative_error(out, expected) < 1e-6
         assert relative_error(x.grad, x_ref.grad) < 1e-6
         assert relative_error(weight.grad, w_ref.grad) < 1e-6
-    idle = tokens_per_expert == 0
+    idle = (tokens_per_expert == 0).to(device)
     assert torch.equal(weight.grad[idle], torch.zeros_like(weight.grad[idle]))
 
 
 @pytest.mark.parametrize("use_triton", [False, True])
 def test_deferred_weight_gradient_waits_in_the_queue_then_accumulates(use_triton):
     torch.manual_seed(1)
-    tokens_per_expert = torch.tensor([4, 0, 9])
-    x = torch.randn(13, 16, requires_grad=True)
-    weight = torch.nn.Parameter(torch.randn(3, 32, 16))
+    device = KERNEL_DEVICE if use_triton else "cpu"
+    tokens_per_expert = torch.tensor([4, 0, 9], device=device)
+    x = torch.randn(13, 16, device=device, requires_grad=True)
+    weight = torch.nn.Parameter(torch.randn(3, 32, 16, device=device))
     queue = []
     out = grouped_linear(x, weight, tokens_per_expert, wgrad_queue=queue, use_triton=use_triton)
     out.square().sum().backward()
@@ -101,7 +105,8 @@ def test_grouped_linear_bfloat16_triton_matches_fp32_reference():
     tokens_per_expert = torch.tensor([17, 0, 33, 1])
     x = torch.randn(51, 32).bfloat16()
     weight = torch.randn(4, 48, 32).bfloat16()
-    out = grouped_linear(x, weight, tokens_per_expert, use_triton=True)
+    out = grouped_linear(x.to(KERNEL_DEVICE), weight.to(KERNEL_DEVICE), tokens_per_expert.to(KERNEL_DEVICE),
+                         use_triton=True).cpu()
     expected = grouped_linear_reference(x.float(), weight.float(), tokens_per_expert)
     # bf16 inputs are exact in fp32; the kernel accumulates in fp32 and rounds once to bf16 (2**-8)
     assert out.dtype == torch.bfloat16 and relative_error(out, expected) < 4e-3
@@ -111,13 +116,14 @@ def test_grouped_linear_bfloat16_triton_matches_fp32_reference():
 @pytest.mark.parametrize("counts", [[3, 0, 70], [0, 1], [40, 0, 0, 0, 5]])
 def test_grouped_bias_add_forward_and_bias_gradient(counts, use_kernel):
     torch.manual_seed(3)
-    tokens_per_expert = torch.tensor(counts)
-    x = torch.randn(sum(counts), 150, requires_grad=True)
-    bias = torch.randn(len(counts), 150, requires_grad=True)
-    grad = torch.randn(sum(counts), 150)
+    device = KERNEL_DEVICE if use_kernel else "cpu"
+    tokens_per_expert = torch.tensor(counts, device=device)
+    x = torch.randn(sum(counts), 150, device=device, requires_grad=True)
+    bias = torch.randn(len(counts), 150, device=device, requires_grad=True)
+    grad = torch.randn(sum(counts), 150, device=device)
     grouped_bias_add(x, bias, tokens_per_expert, use_kernel).backward(grad)
-    expert_of_row = torch.repeat_interleave(torch.arange(len(counts)), tokens_per_expert)
-    expected_bias_grad = torch.zeros(len(counts), 150).index_add_(0, expert_of_row, grad)
+    expert_of_row = torch.repeat_interleave(torch.arange(len(counts), device=device), tokens_per_expert)
+    expected_bias_grad = torch.zeros(len(counts), 150, device=device).index_add_(0, expert_of_row, grad)
     assert torch.equal(x.grad, grad)
     assert relative_error(bias.grad, expected_bias_grad) < 1e-6   # fp32 sums in another order
     out = grouped_bias_add(x.detach(), bias.detach(), tokens_per_expert, use_kernel)

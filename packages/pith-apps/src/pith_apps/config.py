@@ -26,29 +26,34 @@ def read_json(path: str | Path) -> dict:
     return data
 
 
-def _check_type(name: str, value, kind):
+def _check_type(name: str, value, kind, may_be_zero: bool):
     ok = {bool: isinstance(value, bool),
           int: isinstance(value, int) and not isinstance(value, bool),
           float: isinstance(value, (int, float)) and not isinstance(value, bool),
+          str: isinstance(value, str),
           list: isinstance(value, list)}[kind]
     if not ok:
         raise ConfigError(f"config value {name}={value!r} must be of type {kind.__name__}")
-    if kind is int and value < 1:
-        raise ConfigError(f"config value {name}={value} must be a positive integer")
+    if kind is int and value < (0 if may_be_zero else 1):
+        raise ConfigError(f"config value {name}={value} must be {'>= 0' if may_be_zero else 'a positive integer'}")
     if kind is float and value < 0:
         raise ConfigError(f"config value {name}={value} must be >= 0")
 
 
 def config_from_dict(cls, data: dict, model_type: str):
     """Build dataclass `cls` from a config.json dict: keys it does not know are ignored (HF configs carry
-    many), known ones are type-checked (ints positive, floats non-negative), required ones must be there."""
+    many), known ones are type-checked (ints positive, or >= 0 where the default is 0; floats >= 0), null
+    is accepted where the field's type admits None, and required ones must be there."""
     if data.get("model_type", model_type) != model_type:
         raise ConfigError(f"config model_type={data['model_type']!r} does not match this model; expected {model_type!r}")
     hints = typing.get_type_hints(cls)
     values = {}
     for field in dataclasses.fields(cls):
-        if field.name in data:
-            _check_type(field.name, data[field.name], typing.get_origin(hints[field.name]) or hints[field.name])
+        hint = hints[field.name]
+        optional = type(None) in typing.get_args(hint)
+        kind = next(k for k in typing.get_args(hint) if k is not type(None)) if optional else hint
+        if field.name in data and not (optional and data[field.name] is None):
+            _check_type(field.name, data[field.name], typing.get_origin(kind) or kind, may_be_zero=field.default == 0)
             values[field.name] = data[field.name]
         elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
             raise ConfigError(f"config is missing required value '{field.name}' for model_type {model_type!r}")

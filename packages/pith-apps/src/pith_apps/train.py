@@ -15,11 +15,15 @@ import torch
 
 from pith_apps.config import ConfigError, read_json, require
 from pith_apps.data import DEFAULT_CORPUS, ByteTokenizer, batch_at, load_token_stream
+from pith_apps.models.deepseek_v2 import DeepseekV2Config, DeepseekV2ForCausalLM
+from pith_apps.models.gpt_oss import GptOssConfig, GptOssForCausalLM
 from pith_apps.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from pith_engine.checkpoint import load, save_atomic
 from pith_engine.optim import SCHEDULES, adamw, lr_at
 
-MODELS = {"qwen3": (Qwen3MoeConfig, Qwen3MoeForCausalLM)}
+MODELS = {"qwen3": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
+          "deepseek_v2": (DeepseekV2Config, DeepseekV2ForCausalLM),
+          "gpt_oss": (GptOssConfig, GptOssForCausalLM)}
 PRESETS = Path(__file__).parent / "presets"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pith_ops.token_permute import dispatch_tokens, sort_by_expert
+from pith_ops.token_permute import combine_tokens, dispatch_tokens, sort_by_expert
 
 
 @dataclass
@@ -33,9 +33,10 @@ def dispatch(tokens: torch.Tensor, routing: Routing, num_experts: int) -> tuple[
     return dispatch_tokens(tokens, order, inverse, top_k), DispatchPlan(order, inverse, tokens_per_expert, top_k)
 
 
-def combine(expert_out: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
-    """Stage 4: expert outputs in expert order -> [tokens, top_k, hidden] in slot order."""
-    return expert_out.index_select(0, plan.inverse).unflatten(0, (-1, plan.top_k))
+def combine(expert_out: torch.Tensor, routing: Routing, plan: DispatchPlan) -> torch.Tensor:
+    """Stage 4: expert outputs in expert order -> [tokens, hidden], each token's outputs times its routing
+    weights, summed (fused: the [tokens, top_k, hidden] intermediate is never written)."""
+    return combine_tokens(expert_out, routing.weights, plan.order, plan.inverse, plan.top_k)
 
 
 def run_moe_layer(layer, x: torch.Tensor, *attention_args) -> torch.Tensor:
@@ -43,7 +44,16 @@ def run_moe_layer(layer, x: torch.Tensor, *attention_args) -> torch.Tensor:
     hidden, tokens, routing = layer.attention_stage(x, *attention_args)
     expert_in, plan = dispatch(tokens, routing, layer.num_experts)
     expert_out = layer.expert_stage(expert_in, plan.tokens_per_expert)
-    return layer.aggregate_stage(hidden, combine(expert_out, plan), routing)
+    return layer.aggregate_stage(hidden, tokens, combine(expert_out, routing, plan))
+
+
+def switch_aux_loss(probs: torch.Tensor, expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Switch load-balancing loss of one layer: num_experts * sum_e (fraction of tokens routed to e) *
+    (mean router probability of e), probs [tokens, E] the softmax over all experts (transformers'
+    load_balancing_loss_func for one layer). Counted with scatter_add: no host sync, compilable."""
+    counts = torch.zeros(num_experts, dtype=probs.dtype, device=probs.device)
+    counts.scatter_add_(0, expert_ids.flatten(), torch.ones(expert_ids.numel(), dtype=probs.dtype, device=probs.device))
+    return num_experts * (counts / probs.shape[0] * probs.mean(0)).sum()
 
 
 class _AttachAuxLoss(torch.autograd.Function):

@@ -95,7 +95,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                         ignore_index: int = IGNORE_INDEX, chunk_size: int = 2048,
+                         ignore_index: int = IGNORE_INDEX, chunk_size: int = 1024,
                          use_kernel: bool | None = None) -> torch.Tensor:
     """Token-summed fp32 cross-entropy of logits = hidden @ weight.T against labels.
 

@@ -24,7 +24,7 @@ def grouped_linear_reference(x, weight, tokens_per_expert):
 @triton.jit
 def _grouped_rows_kernel(a_ptr, b_ptr, out_ptr, offs_ptr, tile_expert_ptr, tile_first_ptr, n_cols, k_dim,
                          stride_be, stride_bk, stride_bn, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                         UPCAST: tl.constexpr):
+                         UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """out[rows of e] = a[rows of e] @ B_e, where B_e[k, n] = b[e * stride_be + k * stride_bk + n * stride_bn]."""
     tile = tl.program_id(0)
     expert = tl.load(tile_expert_ptr + tile)
@@ -43,14 +43,15 @@ def _grouped_rows_kernel(a_ptr, b_ptr, out_ptr, offs_ptr, tile_expert_ptr, tile_
                     mask=(ks[:, None] < k_dim) & (cols[None, :] < n_cols), other=0.0)
         if UPCAST:
             a, b = a.to(tl.float32), b.to(tl.float32)
-        acc = tl.dot(a, b, acc)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
     tl.store(out_ptr + rows[:, None].to(tl.int64) * n_cols + cols[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=(rows[:, None] < row_end) & (cols[None, :] < n_cols))
 
 
 @triton.jit
 def _grouped_wgrad_kernel(g_ptr, x_ptr, out_ptr, offs_ptr, n_out, n_in,
-                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, UPCAST: tl.constexpr):
+                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, UPCAST: tl.constexpr,
+                          PRECISION: tl.constexpr):
     """out[e] = g[rows of e].T @ x[rows of e]: [n_out, n_in] per expert, zero for experts without rows."""
     expert = tl.program_id(0)
     row_end = tl.load(offs_ptr + expert)
@@ -66,7 +67,7 @@ def _grouped_wgrad_kernel(g_ptr, x_ptr, out_ptr, offs_ptr, n_out, n_in,
                     mask=(rows[:, None] < row_end) & (ins[None, :] < n_in), other=0.0)
         if UPCAST:
             g, x = g.to(tl.float32), x.to(tl.float32)
-        acc = tl.dot(g, x, acc)
+        acc = tl.dot(g, x, acc, input_precision=PRECISION)
     tl.store(out_ptr + expert.to(tl.int64) * n_out * n_in + outs[:, None] * n_in + ins[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=(outs[:, None] < n_out) & (ins[None, :] < n_in))
 
@@ -75,6 +76,11 @@ BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 32
 # Triton's CPU interpreter computes bf16 dots wrongly; fp32 operands give what the GPU's bf16 MMA gives
 # (exact products, fp32 accumulation), so under the interpreter the kernels upcast first.
 UPCAST = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _precision(t: torch.Tensor) -> str:
+    """fp32 inputs multiply in full fp32 ("ieee"), not the GPU's default tf32; bf16 is unaffected."""
+    return "ieee" if t.dtype == torch.float32 else "tf32"
 
 
 def _triton_rows(a, b, offs, n_cols, transpose_b: bool):
@@ -89,7 +95,7 @@ def _triton_rows(a, b, offs, n_cols, transpose_b: bool):
     strides = (b.stride(0), b.stride(2), b.stride(1)) if transpose_b else (b.stride(0), b.stride(1), b.stride(2))
     grid = (max_tiles, triton.cdiv(n_cols, BLOCK_N))
     _grouped_rows_kernel[grid](a, b, out, offs, tile_expert, tile_first, n_cols, a.shape[1], *strides,
-                               BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, UPCAST=UPCAST)
+                               BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, UPCAST=UPCAST, PRECISION=_precision(a))
     return out
 
 
@@ -97,7 +103,7 @@ def _triton_wgrad(grad_out, x, offs, num_experts):
     out = grad_out.new_empty(num_experts, grad_out.shape[1], x.shape[1])
     grid = (num_experts, triton.cdiv(grad_out.shape[1], BLOCK_M), triton.cdiv(x.shape[1], BLOCK_N))
     _grouped_wgrad_kernel[grid](grad_out, x, out, offs, grad_out.shape[1], x.shape[1],
-                                BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, UPCAST=UPCAST)
+                                BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, UPCAST=UPCAST, PRECISION=_precision(x))
     return out
 
 

@@ -1,15 +1,21 @@
-"""Fused SwiGLU for expert MLPs: out = silu(gate) * up, with gate | up side by side in one tensor.
+"""Fused SwiGLU for expert MLPs, in the two layouts the model families use.
 
-The expert GEMM writes gate and up as one [tokens, 2 * width] tensor (gate in the first half); the
-kernel reads it once and writes [tokens, width], and the backward recomputes silu instead of saving it.
-All arithmetic is fp32 whatever the storage dtype.
+swiglu: out = silu(gate) * up, with gate | up side by side in one [tokens, 2 * width] tensor (gate in
+the first half): Qwen3-MoE, DeepSeek-V2.
+clamped_swiglu (GPT-OSS): gate and up interleaved (gate = even columns, up = odd columns), clamped
+(gate <= limit, -limit <= up <= limit), out = (up + 1) * gate * sigmoid(alpha * gate).
+
+Both are out = gate * sigmoid(alpha * gate) * (up + shift), so one pair of kernels serves both; a
+constexpr flag picks the layout and the clamps. The kernel reads gate_up once and writes
+[tokens, width]; the backward recomputes the sigmoid instead of saving it. All arithmetic is fp32
+whatever the storage dtype.
 """
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-BLOCK = 1024
+BLOCK = 2048
 
 
 def swiglu_reference(gate_up: torch.Tensor) -> torch.Tensor:
@@ -17,48 +23,86 @@ def swiglu_reference(gate_up: torch.Tensor) -> torch.Tensor:
     return (F.silu(gate) * up).to(gate_up.dtype)
 
 
-@triton.jit
-def _swiglu_forward_kernel(gate_up_ptr, out_ptr, width, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < width
-    gate = tl.load(gate_up_ptr + row * 2 * width + cols, mask=mask).to(tl.float32)
-    up = tl.load(gate_up_ptr + row * 2 * width + width + cols, mask=mask).to(tl.float32)
-    out = gate * tl.sigmoid(gate) * up
-    tl.store(out_ptr + row * width + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+def clamped_swiglu_reference(gate_up: torch.Tensor, alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
+    gate = gate_up.float()[..., 0::2].clamp(max=limit)
+    up = gate_up.float()[..., 1::2].clamp(-limit, limit)
+    return ((up + 1) * gate * torch.sigmoid(alpha * gate)).to(gate_up.dtype)
 
 
 @triton.jit
-def _swiglu_backward_kernel(gate_up_ptr, grad_out_ptr, grad_gate_up_ptr, width, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < width
-    gate = tl.load(gate_up_ptr + row * 2 * width + cols, mask=mask).to(tl.float32)
-    up = tl.load(gate_up_ptr + row * 2 * width + width + cols, mask=mask).to(tl.float32)
-    grad_out = tl.load(grad_out_ptr + row * width + cols, mask=mask).to(tl.float32)
-    sig = tl.sigmoid(gate)
-    # d silu(g) / dg = sig * (1 + g * (1 - sig))
-    grad_gate = grad_out * up * sig * (1.0 + gate * (1.0 - sig))
-    grad_up = grad_out * gate * sig
-    dtype = grad_gate_up_ptr.dtype.element_ty
-    tl.store(grad_gate_up_ptr + row * 2 * width + cols, grad_gate.to(dtype), mask=mask)
-    tl.store(grad_gate_up_ptr + row * 2 * width + width + cols, grad_up.to(dtype), mask=mask)
+def _load_gate_up(ptr, out_at, width, mask, CLAMPED: tl.constexpr):
+    """gate and up (fp32) of the flat output elements out_at. Interleaved (GPT-OSS): one contiguous load of
+    (gate, up) pairs, split in registers; halves: two contiguous loads."""
+    if CLAMPED:
+        pairs = tl.load(ptr + 2 * out_at[:, None] + tl.arange(0, 2)[None, :], mask=mask[:, None])
+        gate, up = tl.split(pairs.to(tl.float32))
+        return gate, up
+    row, cols = out_at // width, out_at % width
+    gate = tl.load(ptr + row * 2 * width + cols, mask=mask).to(tl.float32)
+    return gate, tl.load(ptr + row * 2 * width + width + cols, mask=mask).to(tl.float32)
 
 
-def _grid(rows: int, width: int):
-    return (rows, triton.cdiv(width, BLOCK))
+@triton.jit
+def _store_gate_up(ptr, out_at, width, mask, gate, up, CLAMPED: tl.constexpr):
+    dtype = ptr.dtype.element_ty
+    if CLAMPED:
+        tl.store(ptr + 2 * out_at[:, None] + tl.arange(0, 2)[None, :], tl.join(gate, up).to(dtype), mask=mask[:, None])
+    else:
+        row, cols = out_at // width, out_at % width
+        tl.store(ptr + row * 2 * width + cols, gate.to(dtype), mask=mask)
+        tl.store(ptr + row * 2 * width + width + cols, up.to(dtype), mask=mask)
+
+
+@triton.jit
+def _forward_kernel(gate_up_ptr, out_ptr, width, total, alpha, limit, CLAMPED: tl.constexpr, BLOCK: tl.constexpr):
+    # flat over the [rows, width] output, so no lanes idle at row ends whatever the width
+    out_at = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = out_at < total
+    gate, up = _load_gate_up(gate_up_ptr, out_at, width, mask, CLAMPED)
+    if CLAMPED:
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit) + 1.0
+    out = gate * tl.sigmoid(alpha * gate) * up
+    tl.store(out_ptr + out_at, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _backward_kernel(gate_up_ptr, grad_out_ptr, grad_gate_up_ptr, width, total, alpha, limit,
+                     CLAMPED: tl.constexpr, BLOCK: tl.constexpr):
+    out_at = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = out_at < total
+    gate, up = _load_gate_up(gate_up_ptr, out_at, width, mask, CLAMPED)
+    grad_out = tl.load(grad_out_ptr + out_at, mask=mask).to(tl.float32)
+    # a clamp passes the gradient where its input lies inside the bounds (inclusive, as torch.clamp)
+    gate_passes = 1.0
+    up_passes = 1.0
+    if CLAMPED:
+        gate_passes = (gate <= limit).to(tl.float32)
+        up_passes = ((up >= -limit) & (up <= limit)).to(tl.float32)
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit) + 1.0
+    sig = tl.sigmoid(alpha * gate)
+    # d (g * sigmoid(a g)) / dg = sig * (1 + a * g * (1 - sig))
+    grad_gate = grad_out * up * sig * (1.0 + alpha * gate * (1.0 - sig)) * gate_passes
+    grad_up = grad_out * gate * sig * up_passes
+    _store_gate_up(grad_gate_up_ptr, out_at, width, mask, grad_gate, grad_up, CLAMPED)
+
+
+def _grid(total: int):
+    return (triton.cdiv(total, BLOCK),)
 
 
 class _SwiGLU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, gate_up):
+    def forward(ctx, gate_up, alpha, limit, clamped):
         gate_up = gate_up.contiguous()
         width = gate_up.shape[-1] // 2
         out = gate_up.new_empty(*gate_up.shape[:-1], width)
-        rows = out.numel() // width if width else 0
-        if rows:
-            _swiglu_forward_kernel[_grid(rows, width)](gate_up, out, width, BLOCK=BLOCK)
+        if out.numel():
+            _forward_kernel[_grid(out.numel())](gate_up, out, width, out.numel(), alpha, limit, CLAMPED=clamped,
+                                                BLOCK=BLOCK)
         ctx.save_for_backward(gate_up)
+        ctx.alpha, ctx.limit, ctx.clamped = alpha, limit, clamped
         return out
 
     @staticmethod
@@ -66,17 +110,32 @@ class _SwiGLU(torch.autograd.Function):
         (gate_up,) = ctx.saved_tensors
         width = gate_up.shape[-1] // 2
         grad_gate_up = torch.empty_like(gate_up)
-        rows = grad_out.numel() // width if width else 0
-        if rows:
-            _swiglu_backward_kernel[_grid(rows, width)](gate_up, grad_out.contiguous(), grad_gate_up, width, BLOCK=BLOCK)
-        return grad_gate_up
+        if grad_out.numel():
+            _backward_kernel[_grid(grad_out.numel())](gate_up, grad_out.contiguous(), grad_gate_up, width,
+                                                      grad_out.numel(), ctx.alpha, ctx.limit, CLAMPED=ctx.clamped,
+                                                      BLOCK=BLOCK)
+        return grad_gate_up, None, None, None
+
+
+def _check_even(name: str, gate_up: torch.Tensor):
+    if gate_up.shape[-1] % 2:
+        raise ValueError(f"{name}: last dimension {gate_up.shape[-1]} must be even (gate and up columns)")
 
 
 def swiglu(gate_up: torch.Tensor, use_kernel: bool | None = None) -> torch.Tensor:
     """silu(gate) * up for gate_up = [..., 2 * width]. The Triton kernel runs on CUDA tensors (or when
     use_kernel=True, e.g. under TRITON_INTERPRET=1 on CPU); elsewhere the torch reference runs."""
-    if gate_up.shape[-1] % 2:
-        raise ValueError(f"swiglu: last dimension {gate_up.shape[-1]} must be even (gate | up halves)")
+    _check_even("swiglu", gate_up)
     if use_kernel if use_kernel is not None else gate_up.is_cuda:
-        return _SwiGLU.apply(gate_up)
+        return _SwiGLU.apply(gate_up, 1.0, 0.0, False)
     return swiglu_reference(gate_up)
+
+
+def clamped_swiglu(gate_up: torch.Tensor, alpha: float = 1.702, limit: float = 7.0,
+                   use_kernel: bool | None = None) -> torch.Tensor:
+    """GPT-OSS: (clamp(up) + 1) * g * sigmoid(alpha * g) with g = min(gate, limit), for gate_up = [..., 2 * width]
+    holding gate in the even columns and up in the odd ones. Kernel dispatch as in `swiglu`."""
+    _check_even("clamped_swiglu", gate_up)
+    if use_kernel if use_kernel is not None else gate_up.is_cuda:
+        return _SwiGLU.apply(gate_up, float(alpha), float(limit), True)
+    return clamped_swiglu_reference(gate_up, alpha, limit)

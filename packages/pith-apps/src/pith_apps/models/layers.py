@@ -1,11 +1,13 @@
 """Building blocks that several model families use in exactly the same way: RMSNorm, rotary embeddings
-(plain and YaRN), and the stacked SwiGLU experts of Qwen3-MoE and DeepSeek-V2. Each model file still
-instantiates its own layers from these; anything a family does differently stays in its own file."""
+(plain and YaRN), the stacked SwiGLU experts of Qwen3-MoE and DeepSeek-V2, and the top-level model's
+init / logits / loss / Hugging Face views. Each model file still instantiates its own layers from these;
+anything a family does differently stays in its own file."""
 import math
 
 import torch
 from torch import nn
 
+from pith_ops.cross_entropy import linear_cross_entropy
 from pith_ops.grouped_gemm import grouped_linear
 from pith_ops.swiglu import swiglu
 
@@ -96,3 +98,38 @@ class SwiGLUExperts(nn.Module):
             yield f"{prefix}.{e}.gate_proj.weight", self.gate_up_proj[e, :self.inter]
             yield f"{prefix}.{e}.up_proj.weight", self.gate_up_proj[e, self.inter:]
             yield f"{prefix}.{e}.down_proj.weight", self.down_proj[e]
+
+
+class CausalLM(nn.Module):
+    """What the three families' top-level models share. A subclass builds self.config, self.model
+    (embed_tokens, layers, norm) and self.lm_head, and writes hidden_states(input_ids)."""
+
+    @torch.no_grad()
+    def init_weights(self, seed: int):
+        """Norm weights 1, biases 0 (the router's drawn like weights), everything else normal(0, initializer_range)."""
+        generator = torch.Generator().manual_seed(seed)
+        for name, param in self.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            elif name.endswith("bias") and ".router." not in name:
+                param.zero_()
+            else:
+                param.copy_(torch.randn(param.shape, generator=generator) * self.config.initializer_range)
+
+    def forward(self, input_ids):
+        return self.lm_head(self.hidden_states(input_ids))
+
+    def loss_sum(self, input_ids, labels):
+        """Token-summed fp32 cross-entropy over labels != -100, without materializing the logits; the caller
+        divides once by the token count."""
+        return linear_cross_entropy(self.hidden_states(input_ids).flatten(0, 1), self.lm_head.weight, labels.flatten())
+
+    def hf_views(self):
+        """(Hugging Face tensor name, view of the parameter holding it): import copies into the views, export
+        reads them. Each experts module says how its stacked weights appear in the files."""
+        for name, param in self.named_parameters():
+            if ".mlp.experts." not in name:
+                yield name, param
+        for n, layer in enumerate(self.model.layers):
+            if hasattr(layer.mlp, "experts"):
+                yield from layer.mlp.experts.hf_views(f"model.layers.{n}.mlp.experts")

@@ -15,9 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pith_apps.config import config_from_dict, require
-from pith_apps.models.layers import RMSNorm, SwiGLUExperts, apply_rotary, default_inv_freq, rope_parameters, rotary_cos_sin
-from pith_engine.moe import Routing, attach_aux_loss, run_moe_layer
-from pith_ops.cross_entropy import linear_cross_entropy
+from pith_apps.models.layers import CausalLM, RMSNorm, SwiGLUExperts, apply_rotary, default_inv_freq, rope_parameters, rotary_cos_sin
+from pith_engine.moe import Routing, attach_aux_loss, run_moe_layer, switch_aux_loss
 
 
 @dataclass
@@ -110,23 +109,17 @@ class Qwen3MoeDecoderLayer(nn.Module):
         weights, expert_ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        hidden = attach_aux_loss(hidden, self.aux_loss_coef * self.switch_aux_loss(probs, expert_ids))
+        hidden = attach_aux_loss(hidden, self.aux_loss_coef * switch_aux_loss(probs, expert_ids, self.num_experts))
         return hidden, tokens, Routing(expert_ids, weights.to(x.dtype))
-
-    def switch_aux_loss(self, probs, expert_ids):
-        """num_experts * sum_e (fraction of tokens routed to e) * (mean router probability of e)."""
-        counts = torch.bincount(expert_ids.flatten(), minlength=self.num_experts)
-        return self.num_experts * (counts.to(probs.dtype) / probs.shape[0] * probs.mean(0)).sum()
 
     def expert_stage(self, x, tokens_per_expert):
         return self.mlp.experts(x, tokens_per_expert)
 
-    def aggregate_stage(self, hidden, expert_out, routing: Routing):
-        weighted = (expert_out * routing.weights.unsqueeze(-1)).sum(1)
-        return hidden + weighted.view_as(hidden)
+    def aggregate_stage(self, hidden, tokens, routed):
+        return hidden + routed.view_as(hidden)
 
 
-class Qwen3MoeForCausalLM(nn.Module):
+class Qwen3MoeForCausalLM(CausalLM):
     def __init__(self, cfg: Qwen3MoeConfig):
         super().__init__()
         self.config = cfg
@@ -136,15 +129,6 @@ class Qwen3MoeForCausalLM(nn.Module):
             norm=RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)))
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
-    @torch.no_grad()
-    def init_weights(self, seed: int):
-        generator = torch.Generator().manual_seed(seed)
-        for name, param in self.named_parameters():
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
-            else:
-                param.copy_(torch.randn(param.shape, generator=generator) * self.config.initializer_range)
-
     def hidden_states(self, input_ids):
         x = self.model.embed_tokens(input_ids)
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)
@@ -152,20 +136,3 @@ class Qwen3MoeForCausalLM(nn.Module):
         for layer in self.model.layers:
             x = run_moe_layer(layer, x, cos, sin)
         return self.model.norm(x)
-
-    def forward(self, input_ids):
-        return self.lm_head(self.hidden_states(input_ids))
-
-    def hf_views(self):
-        """(Hugging Face tensor name, view of the parameter holding it): import copies into the views,
-        export reads them. Experts are stored per expert in the files, stacked here."""
-        for name, param in self.named_parameters():
-            if ".mlp.experts." not in name:
-                yield name, param
-        for n, layer in enumerate(self.model.layers):
-            yield from layer.mlp.experts.hf_views(f"model.layers.{n}.mlp.experts")
-
-    def loss_sum(self, input_ids, labels):
-        """Token-summed cross-entropy (fp32) over labels != -100; the caller divides once by the token count."""
-        hidden = self.hidden_states(input_ids).flatten(0, 1)
-        return linear_cross_entropy(hidden, self.lm_head.weight, labels.flatten())

@@ -1,0 +1,230 @@
+"""GPT-OSS (Hugging Face model_type "gpt_oss"; gpt-oss-20b and its tiny relatives).
+
+Parameter names are the Hugging Face checkpoint's (model.layers.N.self_attn.sinks, mlp.router.bias,
+mlp.experts.gate_up_proj, ...). Expert weights are kept in the nn.Linear layout that grouped_linear
+reads, mlp.experts.gate_up_proj [E, 2 * intermediate, hidden] (rows interleaved gate, up, gate, up, as
+in the file) and mlp.experts.down_proj [E, hidden, intermediate]; the files hold them transposed
+([E, in, out]), which hf_views() exposes as transposed views.
+
+Each decoder layer is cut into the stages of docs/architecture.md: attention_stage (norms, attention
+with sinks, router), expert_stage (grouped GEMM clamped SwiGLU with per-expert biases), aggregate_stage
+(weighted sum and residual); pith_engine.moe runs dispatch and combine between them.
+"""
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from pith_apps.config import config_from_dict, require
+from pith_apps.models.layers import CausalLM, RMSNorm, apply_rotary, rope_parameters, rotary_cos_sin, yarn_inv_freq, yarn_mscale
+from pith_engine.moe import Routing, attach_aux_loss, run_moe_layer, switch_aux_loss
+from pith_ops.grouped_gemm import grouped_linear
+from pith_ops.swiglu import clamped_swiglu
+
+LAYER_TYPES = ("sliding_attention", "full_attention")
+# what transformers' GptOssConfig uses when a config.json names no rope settings at all
+DEFAULT_YARN = dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                    original_max_position_embeddings=4096)
+
+
+@dataclass
+class GptOssConfig:
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    num_local_experts: int
+    num_experts_per_tok: int
+    sliding_window: int = 128
+    layer_types: list = field(default_factory=list)
+    rope_theta: float = 150000.0
+    # YaRN, from the rope_scaling / rope_parameters dict of config.json
+    rope_factor: float = 32.0
+    rope_original_max_position: int = 4096
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_truncate: bool = True
+    rope_attention_factor: float = 1.0
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    rms_norm_eps: float = 1e-5
+    router_aux_loss_coef: float = 0.001
+    initializer_range: float = 0.02
+    attention_bias: bool = True
+    tie_word_embeddings: bool = False
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "GptOssConfig":
+        # published files say rope_scaling + rope_theta and may carry quantization_config (MXFP4 experts);
+        # transformers v5 writes one rope_parameters dict
+        has_rope = data.get("rope_scaling") or data.get("rope_parameters")
+        rope = rope_parameters(data if has_rope else {**data, "rope_parameters": DEFAULT_YARN})
+        require(rope["rope_type"] == "yarn",
+                f"config rope_type={rope['rope_type']!r} is not supported for gpt_oss; valid: 'yarn'")
+        quant = (data.get("quantization_config") or {}).get("quant_method", "mxfp4")
+        require(quant == "mxfp4", f"config quantization_config.quant_method={quant!r} is not supported; valid: 'mxfp4'")
+        data = {**data, **yarn_fields(rope)}
+        if "num_experts" in data:
+            data.setdefault("num_local_experts", data["num_experts"])
+        cfg = config_from_dict(cls, data, "gpt_oss")
+        if "layer_types" not in data:  # transformers' default: even layers sliding, odd layers full
+            cfg.layer_types = [LAYER_TYPES[i % 2] for i in range(cfg.num_hidden_layers)]
+        require(len(cfg.layer_types) == cfg.num_hidden_layers and all(t in LAYER_TYPES for t in cfg.layer_types),
+                f"config layer_types={cfg.layer_types} must have num_hidden_layers={cfg.num_hidden_layers} "
+                f"entries, each one of {', '.join(map(repr, LAYER_TYPES))}")
+        require(cfg.num_attention_heads % cfg.num_key_value_heads == 0,
+                f"config num_attention_heads={cfg.num_attention_heads} must be a multiple of "
+                f"num_key_value_heads={cfg.num_key_value_heads}")
+        require(cfg.num_experts_per_tok <= cfg.num_local_experts,
+                f"config num_experts_per_tok={cfg.num_experts_per_tok} must be at most "
+                f"num_local_experts={cfg.num_local_experts}")
+        require(cfg.head_dim % 2 == 0, f"config head_dim={cfg.head_dim} must be even (rotary embedding)")
+        require(cfg.rope_theta > 0 and cfg.rope_factor > 0 and cfg.rms_norm_eps > 0,
+                f"config rope_theta={cfg.rope_theta}, rope factor={cfg.rope_factor} and "
+                f"rms_norm_eps={cfg.rms_norm_eps} must be > 0")
+        require(cfg.attention_bias, "config attention_bias=false is not supported for gpt_oss; valid: true")
+        require(not cfg.tie_word_embeddings, "config tie_word_embeddings=true is not supported; valid: false")
+        return cfg
+
+
+def yarn_fields(rope: dict) -> dict:
+    """Our flat config fields from a YaRN rope dict, with transformers' defaults and its attention factor:
+    attention_factor if given, else mscale(factor, mscale) / mscale(factor, mscale_all_dim) if both are
+    given, else 0.1 * ln(factor) + 1."""
+    missing = [key for key in ("factor", "original_max_position_embeddings") if key not in rope]
+    require(not missing, f"config rope settings {rope} are missing {missing} (YaRN)")
+    factor, mscale, mscale_all_dim = rope["factor"], rope.get("mscale"), rope.get("mscale_all_dim")
+    attention_factor = rope.get("attention_factor") or (
+        yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim) if mscale and mscale_all_dim
+        else yarn_mscale(factor))
+    fields = dict(rope_factor=factor, rope_original_max_position=rope["original_max_position_embeddings"],
+                  rope_beta_fast=rope.get("beta_fast") or 32.0, rope_beta_slow=rope.get("beta_slow") or 1.0,
+                  rope_truncate=rope.get("truncate", True), rope_attention_factor=attention_factor)
+    return fields | ({"rope_theta": rope["rope_theta"]} if "rope_theta" in rope else {})
+
+
+def attention_with_sinks(q, k, v, sinks, window: int | None, scale: float):
+    """Causal attention whose softmax has one extra column per head, the learned sink logit, dropped before
+    multiplying V (so a row's weights sum to < 1). window: token i sees i - window + 1 .. i.
+    q [batch, heads, seq, dim], k and v [batch, kv_heads, seq, dim] -> [batch, heads, seq, dim].
+    Scores are materialized: the reference path, one function to swap for a fused kernel."""
+    batch, heads, seq, dim = q.shape
+    kv_heads = k.shape[1]
+    q = q.view(batch, kv_heads, heads // kv_heads, seq, dim)  # query head h reads kv head h // group
+    scores = (q @ k.unsqueeze(2).transpose(-2, -1)).float() * scale
+    position = torch.arange(seq, device=q.device)
+    offset = position[:, None] - position[None, :]
+    unseen = (offset < 0) | (offset >= window) if window else offset < 0
+    scores = scores.masked_fill(unseen, float("-inf"))
+    sink = sinks.float().view(1, kv_heads, -1, 1, 1).expand(batch, -1, -1, seq, 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return (probs.to(v.dtype) @ v.unsqueeze(2)).flatten(1, 2)
+
+
+class GptOssAttention(nn.Module):
+    def __init__(self, cfg: GptOssConfig, layer_type: str):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.window = cfg.sliding_window if layer_type == "sliding_attention" else None
+        self.q_proj = nn.Linear(cfg.hidden_size, self.heads * self.head_dim)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size)
+        self.sinks = nn.Parameter(torch.zeros(self.heads))
+
+    def forward(self, x, cos, sin):
+        batch, seq, _ = x.shape
+        q = self.q_proj(x).view(batch, seq, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(batch, seq, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(batch, seq, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = attention_with_sinks(q, k, v, self.sinks, self.window, self.head_dim ** -0.5)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class GptOssExperts(nn.Module):
+    """down(clamped_swiglu(gate_up(x) + b1)) + b2 per expert, stacked for grouped GEMMs. The biases are
+    inside the expert, so the routing weight scales them too."""
+
+    def __init__(self, cfg: GptOssConfig):
+        super().__init__()
+        experts, hidden, inter = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
+        self.alpha, self.limit = cfg.swiglu_alpha, cfg.swiglu_limit
+        self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * inter, hidden))
+        self.gate_up_proj_bias = nn.Parameter(torch.zeros(experts, 2 * inter))
+        self.down_proj = nn.Parameter(torch.empty(experts, hidden, inter))
+        self.down_proj_bias = nn.Parameter(torch.zeros(experts, hidden))
+
+    def forward(self, x, tokens_per_expert):
+        # the expert of each row, without a host sync: rows are sorted by expert and output_size is known
+        expert_of_row = torch.repeat_interleave(torch.arange(len(tokens_per_expert), device=x.device),
+                                                tokens_per_expert, output_size=x.shape[0])
+        gate_up = grouped_linear(x, self.gate_up_proj, tokens_per_expert) + self.gate_up_proj_bias[expert_of_row]
+        hidden = clamped_swiglu(gate_up, self.alpha, self.limit)
+        return grouped_linear(hidden, self.down_proj, tokens_per_expert) + self.down_proj_bias[expert_of_row]
+
+    def hf_views(self, prefix: str):
+        """The files hold the expert weights as [E, in, out] (gate/up still interleaved): transposed views."""
+        yield f"{prefix}.gate_up_proj", self.gate_up_proj.transpose(1, 2)
+        yield f"{prefix}.gate_up_proj_bias", self.gate_up_proj_bias
+        yield f"{prefix}.down_proj", self.down_proj.transpose(1, 2)
+        yield f"{prefix}.down_proj_bias", self.down_proj_bias
+
+
+class GptOssSparseBlock(nn.Module):
+    def __init__(self, cfg: GptOssConfig):
+        super().__init__()
+        self.router = nn.Linear(cfg.hidden_size, cfg.num_local_experts)
+        self.experts = GptOssExperts(cfg)
+
+
+class GptOssDecoderLayer(nn.Module):
+    def __init__(self, cfg: GptOssConfig, layer_type: str):
+        super().__init__()
+        self.num_experts, self.top_k = cfg.num_local_experts, cfg.num_experts_per_tok
+        self.aux_loss_coef = cfg.router_aux_loss_coef
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, scale_in_fp32=True)
+        self.self_attn = GptOssAttention(cfg, layer_type)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, scale_in_fp32=True)
+        self.mlp = GptOssSparseBlock(cfg)
+
+    def attention_stage(self, x, cos, sin):
+        hidden = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        tokens = self.post_attention_layernorm(hidden).flatten(0, 1)
+        logits = self.mlp.router(tokens).float()
+        top_logits, expert_ids = torch.topk(logits, self.top_k, dim=-1)  # top-k of raw logits, softmax over the k
+        weights = torch.softmax(top_logits, dim=-1)
+        aux = switch_aux_loss(torch.softmax(logits, dim=-1), expert_ids, self.num_experts)
+        hidden = attach_aux_loss(hidden, self.aux_loss_coef * aux)
+        return hidden, tokens, Routing(expert_ids, weights.to(x.dtype))
+
+    def expert_stage(self, x, tokens_per_expert):
+        return self.mlp.experts(x, tokens_per_expert)
+
+    def aggregate_stage(self, hidden, tokens, routed):
+        return hidden + routed.view_as(hidden)
+
+
+class GptOssForCausalLM(CausalLM):
+    def __init__(self, cfg: GptOssConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = nn.ModuleDict(dict(
+            embed_tokens=nn.Embedding(cfg.vocab_size, cfg.hidden_size),
+            layers=nn.ModuleList(GptOssDecoderLayer(cfg, layer_type) for layer_type in cfg.layer_types),
+            norm=RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, scale_in_fp32=True)))
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def hidden_states(self, input_ids):
+        cfg = self.config
+        x = self.model.embed_tokens(input_ids)
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        inv_freq = yarn_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_factor, cfg.rope_original_max_position,
+                                 cfg.rope_beta_fast, cfg.rope_beta_slow, truncate=cfg.rope_truncate)
+        cos, sin = rotary_cos_sin(positions, inv_freq, x.dtype, scale=cfg.rope_attention_factor)
+        for layer in self.model.layers:
+            x = run_moe_layer(layer, x, cos, sin)
+        return self.model.norm(x)
