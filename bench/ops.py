@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from triton.testing import do_bench, do_bench_cudagraph
 
 from pith_ops.cross_entropy import linear_cross_entropy
-from pith_ops.grouped_gemm import _GroupedBias, grouped_linear
+from pith_ops.grouped_gemm import _GroupedBias, grouped_dgrad, grouped_linear, grouped_wgrad
 from pith_ops.swiglu import _SwiGLU, clamped_swiglu, swiglu
 from pith_ops.token_permute import _Combine, _Dispatch, combine_tokens, dispatch_tokens, sort_by_expert
 
@@ -125,6 +125,11 @@ def bench_grouped_gemm(peak, name, tokens, top_k, experts, hidden, inter):
             tflops = flops / ms(fn) / 1e9
             row[f"{label}_tflops"], row[f"{label}_of_peak"] = round(tflops), round(tflops / peak, 3)
         report(**row)
+        grad = torch.randn(a.shape[0], w.shape[1], device=DEV, dtype=BF16)
+        for label, fn in (("dgrad", lambda: grouped_dgrad(grad, w, offs)), ("wgrad", lambda: grouped_wgrad(grad, a, offs))):
+            tflops = flops / ms(fn) / 1e9
+            report(kernel=f"grouped GEMM {name} {proj} {label} (grouped_mm)", tflops=round(tflops),
+                   of_peak=round(tflops / peak, 3))
 
 
 def bench_cross_entropy(tokens=4096, hidden=2048, vocab=151936):

@@ -8,7 +8,8 @@ from safetensors.torch import load_file, save_file
 from conftest import relative_error
 from hf_compare import check_export_round_trip, compare_forward_and_backward, load_ours, save_tiny_hf_model, shifted_labels
 from pith_apps.config import ConfigError
-from pith_apps.hf_checkpoint import load_hf_weights, mxfp4_decode
+from pith_apps import hf_checkpoint
+from pith_apps.hf_checkpoint import load_hf_weights, mxfp4_decode, save_hf
 from pith_apps.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 
@@ -86,3 +87,31 @@ def test_wrong_model_type_is_named(qwen3_dir):
     config = json.loads((qwen3_dir / "config.json").read_text()) | {"model_type": "deepseek_v2"}
     with pytest.raises(ConfigError, match="model_type='deepseek_v2' does not match this model; expected 'qwen3_moe'"):
         Qwen3MoeConfig.from_dict(config)
+
+
+def test_a_rank_reads_only_the_tensors_it_holds(qwen3_dir, tmp_path, monkeypatch):
+    """A pipeline or expert-parallel rank builds only its layers and experts, so its hf_views() names only
+    their tensors: the loader fills exactly those and opens only the shards that hold them."""
+    config = json.loads((qwen3_dir / "config.json").read_text())
+    full = load_ours(Qwen3MoeConfig, Qwen3MoeForCausalLM, qwen3_dir)
+    save_hf(full, config, tmp_path / "sharded", max_shard_bytes=20_000)
+    rank = Qwen3MoeForCausalLM(Qwen3MoeConfig.from_dict(config))
+    with torch.no_grad():
+        for param in rank.parameters():
+            param.zero_()
+    held = {name: view for name, view in rank.hf_views()
+            if name.startswith("model.layers.1.mlp.experts.") and int(name.split(".")[5]) < 3}
+
+    class RankModel:   # what a rank's model offers the loader: the views of what it holds
+        def hf_views(self):
+            return held.items()
+    opened = []
+    real_safe_open = hf_checkpoint.safe_open
+    monkeypatch.setattr(hf_checkpoint, "safe_open", lambda path, *args: opened.append(path.name) or real_safe_open(path, *args))
+    load_hf_weights(RankModel(), tmp_path / "sharded")
+
+    full_views = dict(full.hf_views())
+    assert all(torch.equal(view, full_views[name]) for name, view in held.items()) and len(held) == 9
+    index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())["weight_map"]
+    assert sorted(opened) == sorted({index[name] for name in held}) and len(set(index.values())) > len(opened)
+    assert rank.model.layers[0].mlp.experts.gate_up_proj.abs().sum() == 0   # layer 0 was not touched

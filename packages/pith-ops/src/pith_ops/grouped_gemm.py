@@ -182,6 +182,16 @@ def _segment_sum_kernel(grad_ptr, offs_ptr, out_ptr, n_cols, BM: tl.constexpr, B
     tl.store(out_ptr + expert * n_cols + cols, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty), mask=cols < n_cols)
 
 
+def segment_sum(grad: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    """[experts, cols]: the sum of each expert's contiguous rows of grad (fp32 accumulation)."""
+    offs = torch.cumsum(tokens_per_expert, 0, dtype=torch.int32)
+    out = grad.new_empty(tokens_per_expert.shape[0], grad.shape[1])
+    # 16 x 256 tiles, 4 warps: the fastest of a sweep of tile shapes and row splits on the H200 (bench/RESULTS.md)
+    _segment_sum_kernel[(out.shape[0], triton.cdiv(grad.shape[1], 256))](grad, offs, out, grad.shape[1],
+                                                                         BM=16, BN=256, num_warps=4)
+    return out
+
+
 class _GroupedBias(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, bias, tokens_per_expert, use_kernel):
@@ -198,11 +208,7 @@ class _GroupedBias(torch.autograd.Function):
         if not ctx.use_kernel:
             segments = torch.split(grad.float(), tokens_per_expert.tolist())
             return grad, torch.stack([s.sum(0) for s in segments]).to(grad.dtype), None, None
-        offs = torch.cumsum(tokens_per_expert, 0, dtype=torch.int32)
-        grad_bias = grad.new_empty(tokens_per_expert.shape[0], grad.shape[1])
-        _segment_sum_kernel[(grad_bias.shape[0], triton.cdiv(grad.shape[1], 128))](grad, offs, grad_bias, grad.shape[1],
-                                                                                   BM=64, BN=128, num_warps=8)
-        return grad, grad_bias, None, None
+        return grad, segment_sum(grad, tokens_per_expert), None, None
 
 
 def grouped_bias_add(x: torch.Tensor, bias: torch.Tensor, tokens_per_expert: torch.Tensor,

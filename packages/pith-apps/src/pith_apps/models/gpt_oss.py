@@ -18,7 +18,7 @@ from torch import nn
 from pith_apps.config import config_from_dict, require
 from pith_apps.models.layers import CausalLM, RMSNorm, apply_rotary, rope_parameters, rotary_cos_sin, yarn_inv_freq, yarn_mscale
 from pith_engine.moe import Routing, attach_aux_loss, run_moe_layer, switch_aux_loss
-from pith_ops.grouped_gemm import grouped_linear
+from pith_ops.grouped_gemm import grouped_bias_add, grouped_linear
 from pith_ops.swiglu import clamped_swiglu
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -159,12 +159,11 @@ class GptOssExperts(nn.Module):
         self.down_proj_bias = nn.Parameter(torch.zeros(experts, hidden))
 
     def forward(self, x, tokens_per_expert):
-        # the expert of each row, without a host sync: rows are sorted by expert and output_size is known
-        expert_of_row = torch.repeat_interleave(torch.arange(len(tokens_per_expert), device=x.device),
-                                                tokens_per_expert, output_size=x.shape[0])
-        gate_up = grouped_linear(x, self.gate_up_proj, tokens_per_expert) + self.gate_up_proj_bias[expert_of_row]
+        gate_up = grouped_bias_add(grouped_linear(x, self.gate_up_proj, tokens_per_expert), self.gate_up_proj_bias,
+                                   tokens_per_expert)
         hidden = clamped_swiglu(gate_up, self.alpha, self.limit)
-        return grouped_linear(hidden, self.down_proj, tokens_per_expert) + self.down_proj_bias[expert_of_row]
+        return grouped_bias_add(grouped_linear(hidden, self.down_proj, tokens_per_expert), self.down_proj_bias,
+                                tokens_per_expert)
 
     def hf_views(self, prefix: str):
         """The files hold the expert weights as [E, in, out] (gate/up still interleaved): transposed views."""
