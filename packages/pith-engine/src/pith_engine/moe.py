@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pith_ops.token_permute import combine_tokens, dispatch_tokens, sort_by_expert
+from pith_ops.token_permute import combine_tokens, count_per_expert, dispatch_tokens, sort_by_expert
 
 
 @dataclass
@@ -50,9 +50,8 @@ def run_moe_layer(layer, x: torch.Tensor, *attention_args) -> torch.Tensor:
 def switch_aux_loss(probs: torch.Tensor, expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     """Switch load-balancing loss of one layer: num_experts * sum_e (fraction of tokens routed to e) *
     (mean router probability of e), probs [tokens, E] the softmax over all experts (transformers'
-    load_balancing_loss_func for one layer). Counted with scatter_add: no host sync, compilable."""
-    counts = torch.zeros(num_experts, dtype=probs.dtype, device=probs.device)
-    counts.scatter_add_(0, expert_ids.flatten(), torch.ones(expert_ids.numel(), dtype=probs.dtype, device=probs.device))
+    load_balancing_loss_func for one layer)."""
+    counts = count_per_expert(expert_ids, num_experts).to(probs.dtype)
     return num_experts * (counts / probs.shape[0] * probs.mean(0)).sum()
 
 

@@ -18,7 +18,13 @@ def sort_by_expert(expert_ids: torch.Tensor, num_experts: int):
     order = torch.argsort(flat, stable=True)
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
-    return order, inverse, torch.bincount(flat, minlength=num_experts)
+    return order, inverse, count_per_expert(flat, num_experts)
+
+
+def count_per_expert(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """How many entries name each expert; a scatter-add, because bincount on CUDA waits for the host."""
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=expert_ids.device)
+    return counts.scatter_add_(0, expert_ids.flatten(), torch.ones_like(expert_ids.flatten()))
 
 
 def dedup_by_rank(expert_ids: torch.Tensor, experts_per_rank: int, num_ranks: int):
