@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 import pytest
+from torch.nn.attention.flex_attention import flex_attention
 import torch
 import transformers
 from safetensors.torch import load_file, save_file
@@ -12,7 +13,8 @@ from safetensors.torch import load_file, save_file
 from conftest import relative_error
 from hf_compare import GRAD_TOLERANCE, check_export_round_trip, compare_forward_and_backward, load_ours, save_tiny_hf_model, shifted_labels
 from pith_apps.config import ConfigError, read_json
-from pith_apps.models.gpt_oss import GptOssConfig, GptOssForCausalLM
+from pith_apps.models.gpt_oss import (GptOssConfig, GptOssForCausalLM, flex_attention_with_sinks,
+                                     materialized_attention_with_sinks)
 from pith_apps.models.layers import yarn_inv_freq
 
 PRESETS = Path(__file__).parents[2] / "packages/pith-apps/src/pith_apps/presets"
@@ -176,3 +178,31 @@ def test_tiny_preset_and_a_config_without_rope_settings_read_as_transformers_def
 def test_bad_config_names_the_value(change, message):
     with pytest.raises(ConfigError, match=message):
         GptOssConfig.from_dict(PUBLISHED_20B | change)
+
+
+def sink_attention_inputs(device, seq=256, heads=4, kv_heads=2, dim=16):
+    generator = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, h, seq, dim, generator=generator).to(device) for h in (heads, kv_heads, kv_heads))
+    return q, k, v, (torch.randn(heads, generator=generator) * 2).to(device)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("window", [None, 100])
+def test_flex_attention_with_sinks_matches_the_materialized_reference_forward(window):
+    """The rescale by sigmoid(lse - sink) equals the extra softmax column (forward; flex_attention has no
+    CPU backward, the GPU test below covers it). float32: summation order only."""
+    q, k, v, sinks = sink_attention_inputs("cpu")
+    with torch.no_grad():   # eager flex_attention: compiled on CPU it returns no log-sum-exp
+        flex = flex_attention_with_sinks(q, k, v, sinks, window, 0.25, attend=flex_attention)
+    assert relative_error(flex, materialized_attention_with_sinks(q, k, v, sinks, window, 0.25)) < 1e-5
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled flex_attention runs on CUDA (bench machine)")
+def test_flex_attention_with_sinks_on_cuda_matches_forward_and_backward():
+    inputs = [t.requires_grad_() for t in sink_attention_inputs("cuda")]
+    reference = [t.detach().clone().requires_grad_() for t in inputs]
+    grad = torch.randn_like(inputs[0])
+    flex_attention_with_sinks(*inputs, 100, 0.25).backward(grad)
+    materialized_attention_with_sinks(*reference, 100, 0.25).backward(grad)
+    for got, expected in zip(inputs, reference):
+        assert relative_error(got.grad, expected.grad) < 1e-4   # float32, fused vs materialized softmax

@@ -19,6 +19,7 @@ from pith_apps.models.deepseek_v2 import DeepseekV2Config, DeepseekV2ForCausalLM
 from pith_apps.models.gpt_oss import GptOssConfig, GptOssForCausalLM
 from pith_apps.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from pith_engine.checkpoint import load, save_atomic
+from pith_engine.compile import compile_stages
 from pith_engine.optim import SCHEDULES, adamw, lr_at
 
 MODELS = {"qwen3": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
@@ -46,6 +47,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=DTYPES, help="parameter dtype (default: bfloat16 on CUDA, float32 on CPU)")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction,
+                        help="torch.compile the dense stages (default: on for CUDA, off on CPU, where it costs minutes)")
     parser.add_argument("--save-every", type=int, default=100, help="checkpoint every N steps and at the end")
     parser.add_argument("--resume", action="store_true", help="continue from <out>/checkpoint.pt if it exists")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -89,6 +92,8 @@ def train(args) -> list[float]:
     model = MODELS[args.model][1](cfg)
     model.init_weights(args.seed)
     model.to(device=device, dtype=dtype)
+    if args.compile if args.compile is not None else device.type == "cuda":
+        compile_stages(model)
     optimizer = adamw(model, args.lr, args.weight_decay)
     start = 0
     if args.resume and (out / "checkpoint.pt").exists():

@@ -10,10 +10,12 @@ Each decoder layer is cut into the stages of docs/architecture.md: attention_sta
 with sinks, router), expert_stage (grouped GEMM clamped SwiGLU with per-expert biases), aggregate_stage
 (weighted sum and residual); pith_engine.moe runs dispatch and combine between them.
 """
+import functools
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
 
 from pith_apps.config import config_from_dict, require
 from pith_apps.models.layers import CausalLM, RMSNorm, apply_rotary, rope_parameters, rotary_cos_sin, yarn_inv_freq, yarn_mscale
@@ -22,6 +24,8 @@ from pith_ops.grouped_gemm import grouped_bias_add, grouped_linear
 from pith_ops.swiglu import clamped_swiglu
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
+# flex_attention is only fast compiled; torch.compile is lazy, so this costs nothing until a CUDA call
+compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
 # what transformers' GptOssConfig uses when a config.json names no rope settings at all
 DEFAULT_YARN = dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
                     original_max_position_embeddings=4096)
@@ -110,7 +114,14 @@ def attention_with_sinks(q, k, v, sinks, window: int | None, scale: float):
     """Causal attention whose softmax has one extra column per head, the learned sink logit, dropped before
     multiplying V (so a row's weights sum to < 1). window: token i sees i - window + 1 .. i.
     q [batch, heads, seq, dim], k and v [batch, kv_heads, seq, dim] -> [batch, heads, seq, dim].
-    Scores are materialized: the reference path, one function to swap for a fused kernel."""
+    On CUDA: compiled flex_attention (no [seq, seq] scores in memory) and the sink as a rescale by the
+    log-sum-exp; elsewhere (flex_attention has no CPU backward) the materialized reference."""
+    if q.is_cuda:
+        return flex_attention_with_sinks(q, k, v, sinks, window, scale)
+    return materialized_attention_with_sinks(q, k, v, sinks, window, scale)
+
+
+def materialized_attention_with_sinks(q, k, v, sinks, window: int | None, scale: float):
     batch, heads, seq, dim = q.shape
     kv_heads = k.shape[1]
     q = q.view(batch, kv_heads, heads // kv_heads, seq, dim)  # query head h reads kv head h // group
@@ -122,6 +133,22 @@ def attention_with_sinks(q, k, v, sinks, window: int | None, scale: float):
     sink = sinks.float().view(1, kv_heads, -1, 1, 1).expand(batch, -1, -1, seq, 1)
     probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
     return (probs.to(v.dtype) @ v.unsqueeze(2)).flatten(1, 2)
+
+
+@functools.lru_cache(maxsize=16)
+def window_block_mask(seq: int, window: int | None, device: str):
+    def visible(batch, head, q_index, kv_index):
+        causal = q_index >= kv_index
+        return causal & (q_index - kv_index < window) if window else causal
+    return create_block_mask(visible, None, None, seq, seq, device=device)
+
+
+def flex_attention_with_sinks(q, k, v, sinks, window: int | None, scale: float, attend=compiled_flex_attention):
+    """A softmax with one more column s: out * Z / (Z + e^s) = out * sigmoid(lse - s), lse = log Z.
+    attend: the flex_attention to call (compiled by default; tests pass the eager one on CPU)."""
+    out, aux = attend(q, k, v, block_mask=window_block_mask(q.shape[2], window, str(q.device)),
+                      scale=scale, enable_gqa=True, return_aux=AuxRequest(lse=True))
+    return out * torch.sigmoid(aux.lse - sinks.float()[None, :, None]).unsqueeze(-1).to(out.dtype)
 
 
 class GptOssAttention(nn.Module):
@@ -181,6 +208,7 @@ class GptOssSparseBlock(nn.Module):
 
 
 class GptOssDecoderLayer(nn.Module):
+    is_moe = True
     def __init__(self, cfg: GptOssConfig, layer_type: str):
         super().__init__()
         self.num_experts, self.top_k = cfg.num_local_experts, cfg.num_experts_per_tok

@@ -93,6 +93,7 @@ class Qwen3MoeSparseBlock(nn.Module):
 
 
 class Qwen3MoeDecoderLayer(nn.Module):
+    is_moe = True
     def __init__(self, cfg: Qwen3MoeConfig):
         super().__init__()
         self.num_experts, self.top_k = cfg.num_experts, cfg.num_experts_per_tok

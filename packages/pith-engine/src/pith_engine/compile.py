@@ -1,0 +1,20 @@
+"""torch.compile of the dense stages of every decoder layer.
+
+An MoE layer's stage 1 (attention_stage: norms, attention, router) and stage 5 (aggregate_stage) are
+compiled; its experts and the dispatch / combine between them stay eager, because their shapes depend on
+the routing. A dense layer (is_moe False) is compiled whole. fullgraph=True makes a graph break an error
+instead of a silent slowdown; dynamic=False because sequence length and batch are fixed in training.
+Layers of one family share their compiled code: parameters are graph inputs, not constants.
+"""
+import torch
+
+
+def compile_stages(model: torch.nn.Module) -> torch.nn.Module:
+    """Compile, in place, the dense stages of model.model.layers; returns the model."""
+    for layer in model.model.layers:
+        if layer.is_moe:
+            layer.attention_stage = torch.compile(layer.attention_stage, fullgraph=True, dynamic=False)
+            layer.aggregate_stage = torch.compile(layer.aggregate_stage, fullgraph=True, dynamic=False)
+        else:
+            layer.compile(fullgraph=True, dynamic=False)
+    return model
