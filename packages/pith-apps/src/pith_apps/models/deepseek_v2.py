@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pith_apps.config import config_from_dict, require
-from pith_apps.models.layers import (CausalLM, RMSNorm, SwiGLUExperts, apply_rotary, default_inv_freq, rope_parameters,
+from pith_apps.models.layers import (CausalLM, RMSNorm, causal_attention, SwiGLUExperts, apply_rotary, default_inv_freq, rope_parameters,
                                      rotary_cos_sin, yarn_inv_freq, yarn_mscale)
 from pith_engine.moe import Routing, attach_aux_loss, run_moe_layer
 
@@ -170,7 +170,7 @@ class DeepseekV2Attention(nn.Module):
         k_rope = apply_rotary_pairs(k_rope.unsqueeze(1), cos, sin).expand(-1, self.heads, -1, -1)  # one for all heads
         query = torch.cat([q_nope, apply_rotary_pairs(q_rope, cos, sin)], -1)
         key = torch.cat([k_nope, k_rope], -1)
-        out = F.scaled_dot_product_attention(query, key, v, is_causal=True, scale=self.scale)
+        out = causal_attention(query, key, v, self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
 

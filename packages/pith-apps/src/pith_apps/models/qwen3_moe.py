@@ -11,11 +11,10 @@ pith_engine.moe runs dispatch and combine between them.
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pith_apps.config import config_from_dict, require
-from pith_apps.models.layers import CausalLM, RMSNorm, SwiGLUExperts, apply_rotary, default_inv_freq, rope_parameters, rotary_cos_sin
+from pith_apps.models.layers import CausalLM, RMSNorm, causal_attention, SwiGLUExperts, apply_rotary, default_inv_freq, rope_parameters, rotary_cos_sin
 from pith_engine.moe import Routing, attach_aux_loss, run_moe_layer, switch_aux_loss
 
 
@@ -81,7 +80,7 @@ class Qwen3MoeAttention(nn.Module):
         k = self.k_norm(self.k_proj(x).view(batch, seq, self.kv_heads, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(batch, seq, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, scale=self.head_dim ** -0.5)
+        out = causal_attention(q, k, v, self.head_dim ** -0.5, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
