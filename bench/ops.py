@@ -7,16 +7,16 @@ Run on the device machine from the repo root:
 """
 import json
 import os
-from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 from triton.testing import do_bench, do_bench_cudagraph
 
 from pith_ops.cross_entropy import linear_cross_entropy
-from pith_ops.grouped_gemm import _GroupedBias, grouped_dgrad, grouped_linear, grouped_wgrad
-from pith_ops.swiglu import _SwiGLU, clamped_swiglu, swiglu
-from pith_ops.token_permute import _Combine, _Dispatch, combine_tokens, dispatch_tokens, sort_by_expert
+from pith_ops.grouped_gemm import grouped_dgrad, grouped_linear, grouped_wgrad, segment_sum
+from pith_ops.swiglu import clamped_swiglu, swiglu, swiglu_backward
+from pith_ops.token_permute import (combine_backward_op, combine_tokens, dispatch_backward_op, dispatch_tokens,
+                                    sort_by_expert)
 
 DEV, BF16 = "cuda", torch.bfloat16
 ROWS = []
@@ -33,13 +33,8 @@ def ms(fn):
 
 def graph_ms(fn):
     """Kernel time without the Python overhead between launches: fn replayed from a CUDA graph. Backward
-    passes are timed by calling the autograd Function's backward directly (the autograd engine cannot be
-    captured), with ctx() standing in for the context forward would have saved."""
+    kernels are timed by calling their ops directly (the autograd engine cannot be captured)."""
     return do_bench_cudagraph(fn, rep=100)
-
-
-def ctx(*saved, **attributes):
-    return SimpleNamespace(saved_tensors=saved, **attributes)
 
 
 def peak_tflops():
@@ -66,7 +61,7 @@ def bench_memory_bound(copy, tokens=32768, hidden=2048, top_k=8, experts=128, in
     nbytes = gate_up.numel() * 2 + out.numel() * 2
     t = graph_ms(lambda: swiglu(gate_up))
     report(kernel="swiglu fwd", shape=list(gate_up.shape), ms=round(t, 4), gbps=round(nbytes / t / 1e6), of_copy=round(nbytes / t / 1e6 / copy, 3))
-    t = graph_ms(lambda: _SwiGLU.backward(ctx(gate_up, alpha=1.0, limit=0.0, clamped=False), grad))
+    t = graph_ms(lambda: swiglu_backward(gate_up, grad, 1.0, 0.0, False))
     nbytes = 2 * gate_up.numel() * 2 + grad.numel() * 2
     report(kernel="swiglu bwd", shape=list(gate_up.shape), ms=round(t, 4), gbps=round(nbytes / t / 1e6), of_copy=round(nbytes / t / 1e6 / copy, 3))
 
@@ -76,7 +71,7 @@ def bench_memory_bound(copy, tokens=32768, hidden=2048, top_k=8, experts=128, in
     t = graph_ms(lambda: clamped_swiglu(gpt_oss))
     report(kernel="clamped swiglu fwd", shape=list(gpt_oss.shape), ms=round(t, 4), gbps=round(nbytes / t / 1e6), of_copy=round(nbytes / t / 1e6 / copy, 3))
     grad = torch.randn_like(clamped)
-    t = graph_ms(lambda: _SwiGLU.backward(ctx(gpt_oss, alpha=1.702, limit=7.0, clamped=True), grad))
+    t = graph_ms(lambda: swiglu_backward(gpt_oss, grad, 1.702, 7.0, True))
     nbytes = 2 * gpt_oss.numel() * 2 + grad.numel() * 2
     report(kernel="clamped swiglu bwd", shape=list(gpt_oss.shape), ms=round(t, 4), gbps=round(nbytes / t / 1e6), of_copy=round(nbytes / t / 1e6 / copy, 3))
 
@@ -93,16 +88,16 @@ def bench_memory_bound(copy, tokens=32768, hidden=2048, top_k=8, experts=128, in
     report(kernel="combine fwd", tokens=x.shape[0], top_k=top_k, ms=round(t, 4), gbps=round(nbytes / t / 1e6), of_copy=round(nbytes / t / 1e6 / copy, 3))
     combined = combine_tokens(y, weights, order, inverse, top_k)
     g = torch.randn_like(combined)
-    t = graph_ms(lambda: _Combine.backward(ctx(y, weights, order, top_k=top_k), g))
+    t = graph_ms(lambda: combine_backward_op(g, y, order, weights, top_k))
     nbytes = 2 * slots + order.numel() * x.shape[1] * 2
     report(kernel="combine bwd", tokens=x.shape[0], top_k=top_k, ms=round(t, 4), gbps=round(nbytes / t / 1e6), of_copy=round(nbytes / t / 1e6 / copy, 3))
     t_ref = graph_ms(lambda: (y.index_select(0, inverse).view(-1, top_k, hidden) * weights[..., None]).sum(1))
     report(kernel="combine fwd, torch index_select+mul+sum", ms=round(t_ref, 4))
-    t = graph_ms(lambda: _Dispatch.backward(ctx(inverse, top_k=top_k), y))
+    t = graph_ms(lambda: dispatch_backward_op(y, inverse, top_k))
     report(kernel="dispatch bwd (sum of slots)", ms=round(t, 4), gbps=round((slots + x.numel() * 2) / t / 1e6),
            of_copy=round((slots + x.numel() * 2) / t / 1e6 / copy, 3))
 
-    t = graph_ms(lambda: _GroupedBias.backward(ctx(counts, use_kernel=True), y))
+    t = graph_ms(lambda: segment_sum(y, counts))
     report(kernel="grouped bias bwd (segment sum)", ms=round(t, 4), gbps=round(slots / t / 1e6), of_copy=round(slots / t / 1e6 / copy, 3))
     expert_of_row = torch.repeat_interleave(torch.arange(experts, device=DEV), counts)
     t = graph_ms(lambda: torch.zeros(experts, hidden, device=DEV, dtype=BF16).index_add_(0, expert_of_row, y))

@@ -92,29 +92,49 @@ def _grid(total: int):
     return (triton.cdiv(total, BLOCK),)
 
 
-class _SwiGLU(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, gate_up, alpha, limit, clamped):
-        gate_up = gate_up.contiguous()
-        width = gate_up.shape[-1] // 2
-        out = gate_up.new_empty(*gate_up.shape[:-1], width)
-        if out.numel():
-            _forward_kernel[_grid(out.numel())](gate_up, out, width, out.numel(), alpha, limit, CLAMPED=clamped,
-                                                BLOCK=BLOCK)
-        ctx.save_for_backward(gate_up)
-        ctx.alpha, ctx.limit, ctx.clamped = alpha, limit, clamped
-        return out
+# Custom ops (with fake implementations) rather than a plain autograd.Function: torch.compile sees them as
+# opaque nodes of known shape, so a compiled graph that contains them never breaks.
+@torch.library.custom_op("pith::swiglu_forward", mutates_args=())
+def swiglu_forward(gate_up: torch.Tensor, alpha: float, limit: float, clamped: bool) -> torch.Tensor:
+    gate_up = gate_up.contiguous()
+    width = gate_up.shape[-1] // 2
+    out = gate_up.new_empty(*gate_up.shape[:-1], width)
+    if out.numel():
+        _forward_kernel[_grid(out.numel())](gate_up, out, width, out.numel(), alpha, limit, CLAMPED=clamped, BLOCK=BLOCK)
+    return out
 
-    @staticmethod
-    def backward(ctx, grad_out):
-        (gate_up,) = ctx.saved_tensors
-        width = gate_up.shape[-1] // 2
-        grad_gate_up = torch.empty_like(gate_up)
-        if grad_out.numel():
-            _backward_kernel[_grid(grad_out.numel())](gate_up, grad_out.contiguous(), grad_gate_up, width,
-                                                      grad_out.numel(), ctx.alpha, ctx.limit, CLAMPED=ctx.clamped,
-                                                      BLOCK=BLOCK)
-        return grad_gate_up, None, None, None
+
+@swiglu_forward.register_fake
+def _(gate_up, alpha, limit, clamped):
+    return gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+
+
+@torch.library.custom_op("pith::swiglu_backward", mutates_args=())
+def swiglu_backward(gate_up: torch.Tensor, grad_out: torch.Tensor, alpha: float, limit: float,
+                    clamped: bool) -> torch.Tensor:
+    gate_up = gate_up.contiguous()
+    grad_gate_up = torch.empty_like(gate_up)
+    if grad_out.numel():
+        _backward_kernel[_grid(grad_out.numel())](gate_up, grad_out.contiguous(), grad_gate_up, gate_up.shape[-1] // 2,
+                                                  grad_out.numel(), alpha, limit, CLAMPED=clamped, BLOCK=BLOCK)
+    return grad_gate_up
+
+
+@swiglu_backward.register_fake
+def _(gate_up, grad_out, alpha, limit, clamped):
+    return torch.empty_like(gate_up)
+
+
+def _save_input(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+    ctx.alpha, ctx.limit, ctx.clamped = inputs[1:]
+
+
+def _backward(ctx, grad_out):
+    return swiglu_backward(ctx.saved_tensors[0], grad_out, ctx.alpha, ctx.limit, ctx.clamped), None, None, None
+
+
+swiglu_forward.register_autograd(_backward, setup_context=_save_input)
 
 
 def _check_even(name: str, gate_up: torch.Tensor):
@@ -127,7 +147,7 @@ def swiglu(gate_up: torch.Tensor, use_kernel: bool | None = None) -> torch.Tenso
     use_kernel=True, e.g. under TRITON_INTERPRET=1 on CPU); elsewhere the torch reference runs."""
     _check_even("swiglu", gate_up)
     if use_kernel if use_kernel is not None else gate_up.is_cuda:
-        return _SwiGLU.apply(gate_up, 1.0, 0.0, False)
+        return swiglu_forward(gate_up, 1.0, 0.0, False)
     return swiglu_reference(gate_up)
 
 
@@ -137,5 +157,5 @@ def clamped_swiglu(gate_up: torch.Tensor, alpha: float = 1.702, limit: float = 7
     holding gate in the even columns and up in the odd ones. Kernel dispatch as in `swiglu`."""
     _check_even("clamped_swiglu", gate_up)
     if use_kernel if use_kernel is not None else gate_up.is_cuda:
-        return _SwiGLU.apply(gate_up, float(alpha), float(limit), True)
+        return swiglu_forward(gate_up, float(alpha), float(limit), True)
     return clamped_swiglu_reference(gate_up, alpha, limit)

@@ -90,48 +90,90 @@ def _launch(kernel, rows: int, hidden: int, *args, **constants):
                         **constants)
 
 
-def gather_rows(src, order, top_k):
-    out = src.new_empty(order.numel(), src.shape[1])
-    _launch(_gather_kernel, order.numel(), src.shape[1], src, order, out, TOP_K=top_k)
+# Custom ops with fake implementations, so that torch.compile sees each kernel as one opaque node of known
+# shape and a compiled graph containing them never breaks; their gradients are registered with them.
+@torch.library.custom_op("pith::dispatch", mutates_args=())
+def dispatch_op(x: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, top_k: int) -> torch.Tensor:
+    """out[i] = x[order[i] // top_k]"""
+    x = x.contiguous()
+    out = x.new_empty(order.numel(), x.shape[1])
+    _launch(_gather_kernel, order.numel(), x.shape[1], x, order, out, TOP_K=top_k)
     return out
 
 
-def sum_slots(src, inverse, top_k, weights=None, out_dtype=None):
-    out = src.new_empty(inverse.numel() // top_k, src.shape[1], dtype=out_dtype or src.dtype)
-    _launch(_sum_slots_kernel, out.shape[0], src.shape[1], src, inverse, weights if weights is not None else inverse,
-            out, TOP_K=top_k, WEIGHTED=weights is not None)
+def _sum_slots(src, inverse, top_k, weights):
+    """out[t] = sum_j w[t, j] * src[inverse[t * top_k + j]] (w = 1 when weights is None)."""
+    src = src.contiguous()
+    out = src.new_empty(inverse.numel() // top_k, src.shape[1])
+    _launch(_sum_slots_kernel, out.shape[0], src.shape[1], src, inverse,
+            weights.contiguous() if weights is not None else inverse, out, TOP_K=top_k, WEIGHTED=weights is not None)
     return out
 
 
-class _Dispatch(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, order, inverse, top_k):
-        ctx.save_for_backward(inverse)
-        ctx.top_k = top_k
-        return gather_rows(x.contiguous(), order, top_k)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (inverse,) = ctx.saved_tensors
-        return sum_slots(grad.contiguous(), inverse, ctx.top_k), None, None, None
+@torch.library.custom_op("pith::dispatch_backward", mutates_args=())
+def dispatch_backward_op(grad: torch.Tensor, inverse: torch.Tensor, top_k: int) -> torch.Tensor:
+    return _sum_slots(grad, inverse, top_k, None)
 
 
-class _Combine(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, expert_out, weights, order, inverse, top_k):
-        expert_out, weights = expert_out.contiguous(), weights.contiguous()
-        ctx.save_for_backward(expert_out, weights, order)
-        ctx.top_k = top_k
-        return sum_slots(expert_out, inverse, top_k, weights)
+@torch.library.custom_op("pith::combine", mutates_args=())
+def combine_op(expert_out: torch.Tensor, weights: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor,
+               top_k: int) -> torch.Tensor:
+    return _sum_slots(expert_out, inverse, top_k, weights)
 
-    @staticmethod
-    def backward(ctx, grad):
-        expert_out, weights, order = ctx.saved_tensors
-        grad_expert_out = torch.empty_like(expert_out)
-        grad_weights = torch.empty_like(weights)
-        _launch(_combine_backward_kernel, order.numel(), expert_out.shape[1], grad.contiguous(), expert_out, order,
-                weights, grad_expert_out, grad_weights, TOP_K=ctx.top_k)
-        return grad_expert_out, grad_weights, None, None, None
+
+@torch.library.custom_op("pith::combine_backward", mutates_args=())
+def combine_backward_op(grad: torch.Tensor, expert_out: torch.Tensor, order: torch.Tensor, weights: torch.Tensor,
+                        top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    expert_out, weights = expert_out.contiguous(), weights.contiguous()
+    grad_expert_out, grad_weights = torch.empty_like(expert_out), torch.empty_like(weights)
+    _launch(_combine_backward_kernel, order.numel(), expert_out.shape[1], grad.contiguous(), expert_out, order,
+            weights, grad_expert_out, grad_weights, TOP_K=top_k)
+    return grad_expert_out, grad_weights
+
+
+@dispatch_op.register_fake
+def _(x, order, inverse, top_k):
+    return x.new_empty(order.numel(), x.shape[1])
+
+
+@dispatch_backward_op.register_fake
+def _(grad, inverse, top_k):
+    return grad.new_empty(inverse.numel() // top_k, grad.shape[1])
+
+
+@combine_op.register_fake
+def _(expert_out, weights, order, inverse, top_k):
+    return expert_out.new_empty(inverse.numel() // top_k, expert_out.shape[1])
+
+
+@combine_backward_op.register_fake
+def _(grad, expert_out, order, weights, top_k):
+    return torch.empty_like(expert_out), torch.empty_like(weights)
+
+
+def _save_dispatch(ctx, inputs, output):
+    ctx.save_for_backward(inputs[2])
+    ctx.top_k = inputs[3]
+
+
+def _dispatch_backward(ctx, grad):
+    return dispatch_backward_op(grad, ctx.saved_tensors[0], ctx.top_k), None, None, None
+
+
+def _save_combine(ctx, inputs, output):
+    expert_out, weights, order, inverse, top_k = inputs
+    ctx.save_for_backward(expert_out, weights, order)
+    ctx.top_k = top_k
+
+
+def _combine_backward(ctx, grad):
+    expert_out, weights, order = ctx.saved_tensors
+    grad_expert_out, grad_weights = combine_backward_op(grad, expert_out, order, weights, ctx.top_k)
+    return grad_expert_out, grad_weights, None, None, None
+
+
+dispatch_op.register_autograd(_dispatch_backward, setup_context=_save_dispatch)
+combine_op.register_autograd(_combine_backward, setup_context=_save_combine)
 
 
 def dispatch_reference(x, order, top_k):
@@ -146,7 +188,7 @@ def combine_reference(expert_out, weights, inverse, top_k):
 def dispatch_tokens(x, order, inverse, top_k, use_kernel=None):
     """x [tokens, hidden] -> [tokens * top_k, hidden], row i holding the token of slot order[i]."""
     if use_kernel if use_kernel is not None else x.is_cuda:
-        return _Dispatch.apply(x, order, inverse, top_k)
+        return dispatch_op(x, order, inverse, top_k)
     return dispatch_reference(x, order, top_k)
 
 
@@ -154,5 +196,5 @@ def combine_tokens(expert_out, weights, order, inverse, top_k, use_kernel=None):
     """expert_out [slots, hidden] in expert order, weights [tokens, top_k] -> [tokens, hidden]:
     each token's expert outputs times its routing weights, summed in fp32."""
     if use_kernel if use_kernel is not None else expert_out.is_cuda:
-        return _Combine.apply(expert_out, weights, order, inverse, top_k)
+        return combine_op(expert_out, weights, order, inverse, top_k)
     return combine_reference(expert_out, weights, inverse, top_k)
