@@ -56,6 +56,7 @@ def test_batches_are_a_pure_function_of_seed_and_step():
     (["qwen3", "--data", "/no/such/file.txt"], "dataset path '/no/such/file.txt' does not exist"),
     (["qwen3", "--preset", "huge"], "unknown --preset 'huge' for qwen3; valid presets: 30b-a3b, tiny"),
     (["qwen3", "--config", "BAD_CONFIG"], "config value num_experts=0 must be a positive integer"),
+    (["qwen3", "--ep", "2"], "pp x dp x cp x ep = 1 x 1 x 1 x 2 = 2, but the world has 1 processes"),
 ])
 def test_bad_input_ends_with_one_clear_line(argv, named, tmp_path):
     bad = tmp_path / "config.json"

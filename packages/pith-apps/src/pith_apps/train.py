@@ -21,6 +21,7 @@ from pith_apps.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from pith_engine.checkpoint import load, save_atomic
 from pith_engine.compile import compile_stages
 from pith_engine.optim import SCHEDULES, adamw, lr_at
+from pith_engine.parallel import LayoutError, Parallel
 
 MODELS = {"qwen3": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
           "deepseek_v2": (DeepseekV2Config, DeepseekV2ForCausalLM),
@@ -49,6 +50,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=DTYPES, help="parameter dtype (default: bfloat16 on CUDA, float32 on CPU)")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction,
                         help="torch.compile the dense stages (default: on for CUDA, off on CPU, where it costs minutes)")
+    for dim, meaning in (("pp", "pipeline"), ("dp", "data"), ("cp", "context"), ("ep", "expert")):
+        parser.add_argument(f"--{dim}", type=int, default=1, help=f"{meaning}-parallel size (validated; multi-process "
+                            "training is not built yet, so the product must be 1)")
     parser.add_argument("--save-every", type=int, default=100, help="checkpoint every N steps and at the end")
     parser.add_argument("--resume", action="store_true", help="continue from <out>/checkpoint.pt if it exists")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -90,6 +94,9 @@ def train(args) -> list[float]:
     device, dtype = torch.device(args.device), DTYPES[args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")]
 
     model = MODELS[args.model][1](cfg)
+    parallel = Parallel.build(args.pp, args.dp, args.cp, args.ep)
+    parallel.check_model(cfg.num_hidden_layers, next(layer.num_experts for layer in model.model.layers if layer.is_moe),
+                         cfg.num_attention_heads, args.seq_len)
     model.init_weights(args.seed)
     model.to(device=device, dtype=dtype)
     if args.compile if args.compile is not None else device.type == "cuda":
@@ -161,7 +168,7 @@ def make_progress(start: int, args):
 def main(argv=None):
     try:
         train(parse_args(argv))
-    except ConfigError as err:
+    except (ConfigError, LayoutError) as err:
         print(f"pith-train: error: {err}", file=sys.stderr)
         sys.exit(2)
 

@@ -1,0 +1,69 @@
+"""Parallel: how the world's ranks are laid out, as a (pp, dp, cp, ep) device mesh, outer to inner.
+
+Built once by the app and passed down explicitly; nothing reads parallel state from a global. Rank r sits
+at mesh coordinates (pp, dp, cp, ep) with r = ((pp * DP + dp) * CP + cp) * EP + ep, so expert-parallel
+peers are neighbouring ranks (the all-to-all stays inside a node) and pipeline stages are farthest apart.
+"""
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+DIMS = ("pp", "dp", "cp", "ep")
+
+
+class LayoutError(ValueError):
+    """A parallel layout that cannot work for this world or this model; the message says why."""
+
+
+@dataclass(frozen=True)
+class Parallel:
+    pp: int = 1
+    dp: int = 1
+    cp: int = 1
+    ep: int = 1
+    rank: int = 0
+
+    @classmethod
+    def build(cls, pp: int = 1, dp: int = 1, cp: int = 1, ep: int = 1) -> "Parallel":
+        """The layout of the current process group (one process when torch.distributed is not initialized)."""
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        sizes = dict(pp=pp, dp=dp, cp=cp, ep=ep)
+        for name, size in sizes.items():
+            if not isinstance(size, int) or size < 1:
+                raise LayoutError(f"--{name}={size!r} must be a positive integer")
+        if pp * dp * cp * ep != world:
+            raise LayoutError(f"pp x dp x cp x ep = {pp} x {dp} x {cp} x {ep} = {pp * dp * cp * ep}, but the world has "
+                              f"{world} processes; choose sizes whose product is {world}")
+        return cls(pp, dp, cp, ep, dist.get_rank() if dist.is_initialized() else 0)
+
+    @property
+    def coords(self) -> dict[str, int]:
+        """This rank's position on each mesh dimension."""
+        rest, coords = self.rank, {}
+        for name in reversed(DIMS):
+            rest, coords[name] = divmod(rest, getattr(self, name))
+        return {name: coords[name] for name in DIMS}
+
+    def ranks_along(self, *names: str) -> list[int]:
+        """The ranks that differ from this one only along the named dimensions (its group over them)."""
+        sizes = [getattr(self, name) for name in DIMS]
+        coords = self.coords
+        ranks = [0]
+        for name, size in zip(DIMS, sizes):
+            choices = range(size) if name in names else [coords[name]]
+            ranks = [r * size + c for r in ranks for c in choices]
+        return ranks
+
+    def check_model(self, num_layers: int, num_experts: int, num_heads: int, seq_len: int):
+        """Errors for a layout this model cannot be cut into."""
+        if num_experts % self.ep:
+            raise LayoutError(f"num_experts={num_experts} cannot be split over ep={self.ep} ranks; "
+                              f"choose ep dividing {num_experts}")
+        if num_layers < 2 * self.pp:
+            raise LayoutError(f"num_hidden_layers={num_layers} is fewer than the 2 x pp = {2 * self.pp} pipeline chunks "
+                              f"DualPipeV needs; choose pp <= {num_layers // 2}")
+        if num_heads % self.cp:
+            raise LayoutError(f"num_attention_heads={num_heads} is not divisible by cp={self.cp}")
+        if seq_len % (2 * self.cp):
+            raise LayoutError(f"seq_len={seq_len} must be divisible by 2 x cp = {2 * self.cp} "
+                              f"(each context-parallel rank holds two chunks)")
