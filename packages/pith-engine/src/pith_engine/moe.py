@@ -7,6 +7,7 @@ the single-process reference that every parallel and pipelined schedule is compa
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from pith_ops.token_permute import combine_tokens, count_per_expert, dispatch_tokens, sort_by_expert
 
@@ -72,3 +73,27 @@ class _AttachAuxLoss(torch.autograd.Function):
 
 def attach_aux_loss(x: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
     return _AttachAuxLoss.apply(x, aux_loss)
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single with uneven splits whose backward is the reverse exchange: the gradient of each
+    received row goes back to the rank that sent it."""
+
+    @staticmethod
+    def forward(ctx, x, send_counts, recv_counts, group):
+        ctx.send_counts, ctx.recv_counts, ctx.group = send_counts, recv_counts, group
+        out = x.new_empty(sum(recv_counts), *x.shape[1:])
+        dist.all_to_all_single(out, x.contiguous(), recv_counts, send_counts, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad_x = grad.new_empty(sum(ctx.send_counts), *grad.shape[1:])
+        dist.all_to_all_single(grad_x, grad.contiguous(), ctx.send_counts, ctx.recv_counts, group=ctx.group)
+        return grad_x, None, None, None
+
+
+def all_to_all(x: torch.Tensor, send_counts: list[int], recv_counts: list[int], group=None) -> torch.Tensor:
+    """Rows [sum(send_counts), ...] sent in rank order (send_counts[r] rows to rank r) -> the rows every
+    rank sent here, in rank order [sum(recv_counts), ...]; differentiable."""
+    return _AllToAll.apply(x, list(send_counts), list(recv_counts), group)
