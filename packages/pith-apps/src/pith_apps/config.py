@@ -43,16 +43,16 @@ def _check_type(name: str, value, kind, may_be_zero: bool):
 def config_from_dict(cls, data: dict, model_type: str):
     """Build dataclass `cls` from a config.json dict: keys it does not know are ignored (HF configs carry
     many), known ones are type-checked (ints positive, or >= 0 where the default is 0; floats >= 0), null
-    is accepted where the field's type admits None, and required ones must be there."""
+    means unset (transformers writes null for values it leaves at their default), and required ones must
+    be there."""
     if data.get("model_type", model_type) != model_type:
         raise ConfigError(f"config model_type={data['model_type']!r} does not match this model; expected {model_type!r}")
     hints = typing.get_type_hints(cls)
     values = {}
     for field in dataclasses.fields(cls):
-        hint = hints[field.name]
-        optional = type(None) in typing.get_args(hint)
-        kind = next(k for k in typing.get_args(hint) if k is not type(None)) if optional else hint
-        if field.name in data and not (optional and data[field.name] is None):
+        args = typing.get_args(hints[field.name])
+        kind = next(k for k in args if k is not type(None)) if type(None) in args else hints[field.name]   # int | None -> int
+        if data.get(field.name) is not None:
             _check_type(field.name, data[field.name], typing.get_origin(kind) or kind, may_be_zero=field.default == 0)
             values[field.name] = data[field.name]
         elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:

@@ -74,7 +74,6 @@ class DeepseekV2Config:
     def from_dict(cls, data: dict) -> "DeepseekV2Config":
         # null means unset (transformers writes q_lora_rank, n_group, topk_group as null). Published files keep
         # rope_theta and rope_scaling at the top level, transformers v5 writes one rope_parameters dict.
-        data = {key: value for key, value in data.items() if value is not None}
         rope = rope_parameters(data)
         require(rope["rope_type"] in ("default", "yarn"),
                 f"config rope_type={rope['rope_type']!r} is not supported for deepseek_v2; valid: 'default', 'yarn'")
@@ -84,7 +83,7 @@ class DeepseekV2Config:
             require("attention_factor" not in rope, "config rope attention_factor is not supported; valid: leave it "
                     "out (the cos/sin scale follows from factor, mscale and mscale_all_dim)")
         for key, valid in FIXED_CHOICES.items():
-            require(data.get(key, valid[0]) in valid, f"config {key}={data.get(key)!r} is not supported for "
+            require(data.get(key) in (None, *valid), f"config {key}={data.get(key)!r} is not supported for "
                     f"deepseek_v2; valid: {', '.join(map(repr, valid))}")
         keys = ("rope_theta", "rope_type") + (YARN_KEYS if rope["rope_type"] == "yarn" else ())
         cfg = config_from_dict(cls, data | {key: rope[key] for key in keys if key in rope}, "deepseek_v2")
@@ -240,14 +239,8 @@ class DeepseekV2DecoderLayer(nn.Module):
 
 class DeepseekV2ForCausalLM(CausalLM):
     def __init__(self, cfg: DeepseekV2Config):
-        super().__init__()
-        self.config = cfg
-        self.model = nn.ModuleDict(dict(
-            embed_tokens=nn.Embedding(cfg.vocab_size, cfg.hidden_size),
-            layers=nn.ModuleList(DeepseekV2DecoderLayer(cfg, moe=n >= cfg.first_k_dense_replace)
-                                 for n in range(cfg.num_hidden_layers)),
-            norm=RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)))
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        super().__init__(cfg, (DeepseekV2DecoderLayer(cfg, moe=n >= cfg.first_k_dense_replace)
+                               for n in range(cfg.num_hidden_layers)), RMSNorm(cfg.hidden_size, cfg.rms_norm_eps))
 
     def hidden_states(self, input_ids):
         x = self.model.embed_tokens(input_ids)

@@ -237,13 +237,8 @@ class GptOssDecoderLayer(nn.Module):
 
 class GptOssForCausalLM(CausalLM):
     def __init__(self, cfg: GptOssConfig):
-        super().__init__()
-        self.config = cfg
-        self.model = nn.ModuleDict(dict(
-            embed_tokens=nn.Embedding(cfg.vocab_size, cfg.hidden_size),
-            layers=nn.ModuleList(GptOssDecoderLayer(cfg, layer_type) for layer_type in cfg.layer_types),
-            norm=RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, scale_in_fp32=True)))
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        super().__init__(cfg, (GptOssDecoderLayer(cfg, layer_type) for layer_type in cfg.layer_types),
+                         RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, scale_in_fp32=True))
 
     def hidden_states(self, input_ids):
         cfg = self.config

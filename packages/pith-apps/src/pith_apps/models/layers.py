@@ -114,8 +114,16 @@ class SwiGLUExperts(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """What the three families' top-level models share. A subclass builds self.config, self.model
-    (embed_tokens, layers, norm) and self.lm_head, and writes hidden_states(input_ids)."""
+    """What the three families' top-level models share: the Hugging Face trunk (model.embed_tokens,
+    model.layers, model.norm, lm_head), init, logits, loss and the checkpoint views. A subclass passes in
+    its own layers and final norm and writes hidden_states(input_ids)."""
+
+    def __init__(self, cfg, layers, norm: nn.Module):
+        super().__init__()
+        self.config = cfg
+        self.model = nn.ModuleDict(dict(embed_tokens=nn.Embedding(cfg.vocab_size, cfg.hidden_size),
+                                        layers=nn.ModuleList(layers), norm=norm))
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     @torch.no_grad()
     def init_weights(self, seed: int):

@@ -121,13 +121,8 @@ class Qwen3MoeDecoderLayer(nn.Module):
 
 class Qwen3MoeForCausalLM(CausalLM):
     def __init__(self, cfg: Qwen3MoeConfig):
-        super().__init__()
-        self.config = cfg
-        self.model = nn.ModuleDict(dict(
-            embed_tokens=nn.Embedding(cfg.vocab_size, cfg.hidden_size),
-            layers=nn.ModuleList(Qwen3MoeDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers)),
-            norm=RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)))
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        super().__init__(cfg, (Qwen3MoeDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers)),
+                         RMSNorm(cfg.hidden_size, cfg.rms_norm_eps))
 
     def hidden_states(self, input_ids):
         x = self.model.embed_tokens(input_ids)
