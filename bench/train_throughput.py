@@ -8,7 +8,7 @@ numbers, and whose FLOP count it uses so that MFU is counted the same way).
   PYTHONPATH=packages/pith-ops/src:packages/pith-engine/src:packages/pith-apps/src \
     python3 bench/train_throughput.py --baseline ../shared/bench/hf_baseline.py [--families qwen3] [--accum 1 8]
 
-Writes $OUT/train_throughput.json when OUT is set.
+Writes $OUT/train_throughput.json when OUT is set; --profile adds a per-kernel CUDA time table per family.
 """
 import argparse
 import importlib.util
@@ -72,6 +72,24 @@ def run(name, layers, seq, accum, steps=6):
                 loss=round(loss.item() * accum, 3))
 
 
+def profile(name, layers, seq, path):
+    """One compiled step of one micro-batch under torch.profiler: CUDA time per kernel, largest first."""
+    torch.manual_seed(0)
+    model = build(name, layers)
+    ids = torch.randint(0, model.config.vocab_size, (1, seq), device="cuda")
+    labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
+    for _ in range(2):
+        model.loss_sum(ids, labels).backward()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        model.loss_sum(ids, labels).backward()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=90)
+    open(path, "w").write(table)
+    del model
+    torch.cuda.empty_cache()
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--baseline", required=True, help="path of hf_baseline.py")
@@ -79,6 +97,7 @@ def main():
     parser.add_argument("--accum", nargs="+", type=int, default=[1, 8])
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--profile", action="store_true", help="also write $OUT/profile_<family>.txt (one step)")
     args = parser.parse_args()
     hf = load_baseline(args.baseline)
     import transformers
@@ -98,6 +117,8 @@ def main():
                        speedup=round(ours["tok_s"] / theirs["tok_s"], 2))
             rows.append(row)
             print(json.dumps(row), flush=True)
+        if args.profile:
+            profile(name, args.layers, args.seq, os.path.join(os.environ.get("OUT", "."), f"profile_{name}.txt"))
     print("\nfamily       accum  pith tok/s  hf tok/s  speedup  pith MFU  hf MFU  pith GiB  hf GiB")
     for r in rows:
         print(f"{r['family']:<12} {r['accum']:>5}  {r['pith']['tok_s']:>10,}  {r['hf']['tok_s']:>8,}  {r['speedup']:>7}"

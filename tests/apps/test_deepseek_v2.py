@@ -16,6 +16,7 @@ from conftest import relative_error
 from hf_compare import check_export_round_trip, compare_forward_and_backward, load_ours, randomize, save_tiny_hf_model, shifted_labels
 from pith_apps.config import ConfigError
 from pith_apps.models.deepseek_v2 import DeepseekV2Config, DeepseekV2DecoderLayer, DeepseekV2ForCausalLM
+from pith_engine.parallel import Parallel
 
 PRESETS = Path(__file__).parents[2] / "packages/pith-apps/src/pith_apps/presets"
 # v_head_dim != qk_nope_head_dim, so that swapped head dims fail; aux_loss_alpha 0: transformers has no aux loss
@@ -106,9 +107,9 @@ def test_balance_loss_gradient_equals_ce_plus_alpha_times_the_formula(seq_aux):
         return {name: param.grad.clone() for name, param in model.named_parameters()}
 
     attached = gradients()
-    model.config.aux_loss_alpha = 0.0   # the layers share this config: from here on, nothing attached
     captured = []
     for layer in model.model.layers[1:]:
+        layer.balance.coef = 0.0   # from here on, nothing attached
         def route(scores, original=layer.route, layer=layer):
             expert_ids, weights = original(scores)
             captured.append((layer, scores, expert_ids))
@@ -120,7 +121,8 @@ def test_balance_loss_gradient_equals_ce_plus_alpha_times_the_formula(seq_aux):
         assert relative_error(grad, expected[name]) < 1e-5, name
     for layer, scores, expert_ids in captured:   # the value too, not only its gradient
         hand = hand_balance_loss(scores, expert_ids, 3, seq_aux)
-        assert abs(layer.balance_loss(scores, expert_ids, 3).item() - hand.item()) < 1e-6 * hand.item()
+        ours = layer.balance.scale * layer.balance.loss_share(scores, expert_ids, 3)
+        assert abs(ours.item() - hand.item()) < 1e-6 * hand.item()
     ce_only = gradients()
     router = "model.layers.1.mlp.gate.weight"
     assert relative_error(attached[router], ce_only[router]) > 1e-2   # the loss does reach the router
@@ -139,7 +141,7 @@ SCORES = torch.tensor([[0.30, 0.05, 0.29, 0.01, 0.28, 0.0, 0.07, 0.0]])
     (dict(norm_topk_prob=True, routed_scaling_factor=2.0), [0, 2, 4], [0.30 / 0.87, 0.29 / 0.87, 0.28 / 0.87]),
 ])
 def test_routing_picks_and_weights(overrides, expected_ids, expected_weights):
-    layer = DeepseekV2DecoderLayer(our_config(**overrides), moe=True)
+    layer = DeepseekV2DecoderLayer(our_config(**overrides), moe=True, parallel=Parallel(), balance=None)
     expert_ids, weights = layer.route(SCORES)
     order = weights[0].argsort(descending=True)
     assert expert_ids[0, order].tolist() == expected_ids

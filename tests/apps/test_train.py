@@ -17,7 +17,7 @@ def test_short_run_lowers_the_loss(model, tmp_path):
     # default corpus must at least halve that (seen for qwen3: 5.51 -> 2.06).
     assert abs(losses[0] - 5.55) < 0.15
     assert sum(losses[-5:]) / 5 < 0.5 * losses[0]
-    assert (tmp_path / "checkpoint.pt").is_file() and any((tmp_path / "tb").iterdir())
+    assert (tmp_path / "checkpoints" / "latest").is_file() and any((tmp_path / "tb").iterdir())
 
 
 def test_resume_after_a_crash_repeats_the_uninterrupted_run_exactly(tmp_path, monkeypatch):

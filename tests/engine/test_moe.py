@@ -1,13 +1,16 @@
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from conftest import relative_error
-from pith_engine.moe import Routing, attach_aux_loss, combine, dispatch, run_moe_layer, switch_aux_loss
+from pith_engine.moe import LoadBalance, Routing, attach_aux_loss, combine, dispatch, run_moe_layer
 
 
 class ScaleExperts(torch.nn.Module):
     """A minimal five-stage layer: expert e multiplies its tokens by (e + 1)."""
     num_experts = 4
+    mlp = SimpleNamespace(experts=SimpleNamespace(ep_group=None))   # all experts on this process
 
     def attention_stage(self, x):
         tokens = x.flatten(0, 1)
@@ -36,17 +39,42 @@ def test_dispatch_then_combine_returns_every_slot_to_its_token_weighted():
     routing = Routing(torch.tensor([[0, 2], [2, 1], [1, 0], [3, 2], [0, 3], [2, 0]]), weights)
     expert_in, plan = dispatch(tokens, routing, num_experts=4)
     assert plan.tokens_per_expert.tolist() == [4, 2, 4, 2]
-    assert relative_error(combine(expert_in, routing, plan), tokens * weights.sum(1, keepdim=True)) < 1e-6
+    assert relative_error(combine(expert_in, plan), tokens * weights.sum(1, keepdim=True)) < 1e-6
 
 
-def test_switch_aux_loss_is_top_k_when_balanced_and_counts_chosen_experts():
+@pytest.mark.parametrize("mode", ["global_batch", "micro_batch"])
+def test_switch_loss_is_top_k_when_balanced_and_counts_chosen_experts(mode):
+    balance = LoadBalance(4, mode, coef=1.0, scale=4)
     probs = torch.full((8, 4), 0.25)
     expert_ids = torch.tensor([[0, 1], [2, 3]] * 4)
     # perfectly balanced: 4 * sum_e (4 / 8) * 0.25 = 2 = top_k
-    assert switch_aux_loss(probs, expert_ids, 4).item() == pytest.approx(2.0)
+    assert 4 * balance.loss_share(probs, expert_ids, 1).item() == pytest.approx(2.0)
     skewed = torch.tensor([[0, 1]] * 8)
     probs = torch.tensor([[0.7, 0.1, 0.1, 0.1]]).expand(8, -1)
-    assert switch_aux_loss(probs, skewed, 4).item() == pytest.approx(4 * (1 * 0.7 + 1 * 0.1))
+    assert 4 * balance.loss_share(probs, skewed, 1).item() == pytest.approx(4 * (1 * 0.7 + 1 * 0.1))
+
+
+def test_sequence_loss_averages_the_loss_of_each_sequence():
+    probs = torch.tensor([[0.7, 0.1, 0.1, 0.1]] * 4 + [[0.25] * 4] * 4)
+    expert_ids = torch.tensor([[0, 1]] * 4 + [[0, 1], [2, 3]] * 2)
+    per_sequence = [(1 * 0.7 + 1 * 0.1), 0.5]   # sum_e f_e P_e of each 4-token sequence
+    assert LoadBalance(4, "sequence", 1.0, 4).loss_share(probs, expert_ids, 2).item() == pytest.approx(
+        sum(per_sequence) / 2)
+
+
+def test_aux_free_bias_steers_the_choice_not_the_weights_and_moves_toward_balance():
+    balance = LoadBalance(4, "aux_free", coef=1.0, scale=4, bias_rate=0.12)
+    scores = torch.tensor([[0.4, 0.3, 0.2, 0.1]] * 3)
+    expert_ids, weights = balance.select(scores, 2)
+    assert expert_ids.tolist() == [[0, 1]] * 3 and torch.equal(weights, scores[:, :2])
+    balance.update_bias()   # loads 3, 3, 0, 0 around a mean of 1.5
+    assert balance.expert_bias.tolist() == pytest.approx([-0.12, -0.12, 0.12, 0.12])
+    assert balance.expert_load.sum().item() == 0
+    expert_ids, weights = balance.select(scores, 2)   # biased scores 0.28, 0.18, 0.32, 0.22
+    assert expert_ids.tolist() == [[2, 0]] * 3
+    assert torch.equal(weights, torch.tensor([[0.2, 0.4]] * 3))
+    hidden = torch.randn(2, 3)
+    assert balance.attach_loss(hidden, scores, expert_ids, 1) is hidden   # aux_free attaches no loss
 
 
 def test_attached_aux_loss_gets_gradient_one_and_leaves_the_value_unchanged():

@@ -23,15 +23,29 @@ def test_weight_decay_only_on_matrices():
     assert all(p.ndim == 1 for p in no_decay["params"]) and no_decay["weight_decay"] == 0.0
 
 
-def test_crash_during_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
-    path = tmp_path / "checkpoint.pt"
-    checkpoint.save_atomic({"step": 1, "w": torch.ones(3)}, path)
+def test_crash_during_save_keeps_the_previous_checkpoint_and_old_ones_are_pruned(tmp_path, monkeypatch):
+    model = torch.nn.Linear(3, 2)
+    optimizer = adamw(model, lr=0.1, weight_decay=0.0)
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    saved = [p.detach().clone() for p in model.parameters()]
+    checkpoint.save(tmp_path, 1, model, optimizer, {"note": "first"})
 
-    def dies_halfway(obj, f):
-        f.write(b"partial bytes")
+    def dies_halfway(state, checkpoint_id):
+        (checkpoint_id / "__0_0.distcp").write_bytes(b"partial bytes")
         raise OSError("disk full")
-    monkeypatch.setattr(checkpoint.torch, "save", dies_halfway)
-    with pytest.raises(OSError):
-        checkpoint.save_atomic({"step": 2, "w": torch.zeros(3)}, path)
-    state = checkpoint.load(path)
-    assert state["step"] == 1 and torch.equal(state["w"], torch.ones(3))
+    with monkeypatch.context() as patch:
+        patch.setattr(checkpoint.dcp, "save", dies_halfway)
+        with pytest.raises(OSError):
+            checkpoint.save(tmp_path, 2, model, optimizer, {})
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    assert checkpoint.latest(tmp_path).name == "step-00000001"
+    meta = checkpoint.load(checkpoint.latest(tmp_path), model, optimizer)
+    assert meta == {"note": "first", "step": 1}
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), saved))
+    assert all(state["step"].item() == 1 for state in optimizer.state.values())
+    for step in (2, 3):
+        checkpoint.save(tmp_path, step, model, optimizer, {})
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-00000002", "step-00000003"]   # the newest 2

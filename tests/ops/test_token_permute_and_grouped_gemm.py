@@ -23,11 +23,24 @@ def test_sort_by_expert_groups_slots_and_inverse_undoes_it(tokens, top_k, expert
     assert torch.equal(order[inverse], torch.arange(tokens * top_k))
 
 
+def test_sort_by_expert_leaves_absent_slots_out():
+    expert_ids = torch.tensor([[1, -1], [-1, 0], [1, 0], [-1, -1]])
+    order, inverse, tokens_per_expert = sort_by_expert(expert_ids, 2, present=4)
+    assert order.tolist() == [3, 5, 0, 4]
+    assert inverse.tolist() == [2, -1, -1, 0, 3, 1, -1, -1]
+    assert tokens_per_expert.tolist() == [2, 2]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tokens,top_k,experts,hidden", [(1, 1, 4, 16), (13, 2, 5, 40), (33, 8, 16, 24), (7, 8, 8, 130)])
-def test_dispatch_and_combine_kernels_match_references_forward_and_backward(tokens, top_k, experts, hidden, dtype):
+@pytest.mark.parametrize("tokens,top_k,experts,hidden,absent", [(1, 1, 4, 16, False), (13, 2, 5, 40, False),
+                                                                 (33, 8, 16, 24, False), (7, 8, 8, 130, False),
+                                                                 (13, 2, 5, 40, True), (33, 8, 16, 24, True)])
+def test_dispatch_and_combine_kernels_match_references_forward_and_backward(tokens, top_k, experts, hidden, absent,
+                                                                            dtype):
     expert_ids = random_routing(tokens, top_k, experts, seed=tokens)
-    order, inverse, _ = sort_by_expert(expert_ids, experts)
+    if absent:   # as on an expert-parallel receiver: slots whose expert lives elsewhere are marked -1
+        expert_ids[torch.rand(expert_ids.shape, generator=torch.Generator().manual_seed(1)) < 0.4] = -1
+    order, inverse, _ = sort_by_expert(expert_ids, experts, int((expert_ids >= 0).sum()) if absent else None)
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(tokens, hidden, generator=generator).to(dtype)
     weights = torch.rand(tokens, top_k, generator=generator).to(dtype)
@@ -43,8 +56,11 @@ def test_dispatch_and_combine_kernels_match_references_forward_and_backward(toke
         return [t.cpu() for t in (expert_out, out, x_.grad, w_.grad)]
     # dispatch is a copy (exact); combine sums top_k products in fp32 and rounds once to the dtype
     tolerance = {torch.float32: 1e-6, torch.bfloat16: 8e-3}[dtype]
-    for got, expected in zip(run(True), run(False)):
+    results = run(True)
+    for got, expected in zip(results, run(False)):
         assert got.dtype == expected.dtype and relative_error(got, expected) < tolerance
+    if absent:   # an absent slot contributes nothing and its weight gets no gradient
+        assert torch.all(results[3][expert_ids < 0] == 0)
 
 
 def test_dedup_by_rank_sends_each_token_once_per_destination_rank():

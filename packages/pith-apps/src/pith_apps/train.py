@@ -1,25 +1,32 @@
-"""The Pith training app: `hatch run apps:train qwen3` (or `python -m pith_apps.train qwen3`).
+"""The Pith training app: `hatch run apps:train qwen3` (or `python -m pith_apps.train qwen3`), and on several
+processes `torchrun --nproc-per-node N -m pith_apps.train qwen3 --ep 2 ...` with the same flags.
 
-Reads a model config (a preset or a config.json), builds the model, streams batches from a text
-dataset, and trains with AdamW, showing a progress bar, writing TensorBoard scalars to <out>/tb and an
-atomic checkpoint to <out>/checkpoint.pt that --resume continues from.
+Reads a model config (a preset or a config.json), builds the model for this rank's share of the layout,
+streams batches from a text dataset (each data rank reads its share of every global batch), and trains
+with AdamW, showing a progress bar, writing TensorBoard scalars to <out>/tb and atomic distributed
+checkpoints to <out>/checkpoints that --resume continues from, under the same or another layout.
 """
 import argparse
 import dataclasses
+import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from pith_apps.config import ConfigError, read_json, require
 from pith_apps.data import DEFAULT_CORPUS, ByteTokenizer, batch_at, load_token_stream
 from pith_apps.models.deepseek_v2 import DeepseekV2Config, DeepseekV2ForCausalLM
 from pith_apps.models.gpt_oss import GptOssConfig, GptOssForCausalLM
 from pith_apps.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
-from pith_engine.checkpoint import load, save_atomic
+from pith_engine import checkpoint
 from pith_engine.compile import compile_stages
+from pith_engine.data_parallel import clip_grad_norm, shard_model
+from pith_engine.moe import BALANCE_MODES, update_expert_bias
 from pith_engine.optim import SCHEDULES, adamw, lr_at
 from pith_engine.parallel import LayoutError, Parallel
 
@@ -50,11 +57,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=DTYPES, help="parameter dtype (default: bfloat16 on CUDA, float32 on CPU)")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction,
                         help="torch.compile the dense stages (default: on for CUDA, off on CPU, where it costs minutes)")
-    for dim, meaning in (("pp", "pipeline"), ("dp", "data"), ("cp", "context"), ("ep", "expert")):
-        parser.add_argument(f"--{dim}", type=int, default=1, help=f"{meaning}-parallel size (validated; multi-process "
-                            "training is not built yet, so the product must be 1)")
+    parser.add_argument("--balance", help="expert load balancing: " + ", ".join(BALANCE_MODES) + " (default: the "
+                        "family's own, sequence for DeepSeek-V2 with seq_aux, else global_batch)")
+    for dim, meaning in (("dp", "data (FSDP2)"), ("ep", "expert"), ("pp", "pipeline (validated, not built yet)"),
+                         ("cp", "context (validated, not built yet)")):
+        parser.add_argument(f"--{dim}", type=int, default=1, help=f"{meaning}-parallel size; the product of the "
+                            "four must be the number of processes")
     parser.add_argument("--save-every", type=int, default=100, help="checkpoint every N steps and at the end")
-    parser.add_argument("--resume", action="store_true", help="continue from <out>/checkpoint.pt if it exists")
+    parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in <out>/checkpoints")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     return parser.parse_args(argv)
 
@@ -62,6 +72,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def check_args(args):
     require(args.model in MODELS, f"unknown model '{args.model}'; valid models: {', '.join(MODELS)}")
     require(args.schedule in SCHEDULES, f"unknown --schedule '{args.schedule}'; valid: {', '.join(SCHEDULES)}")
+    require(args.balance in (None, *BALANCE_MODES), f"unknown --balance '{args.balance}'; valid: {', '.join(BALANCE_MODES)}")
     for flag in ("steps", "batch_size", "seq_len", "save_every"):
         require(getattr(args, flag) > 0, f"--{flag.replace('_', '-')}={getattr(args, flag)} must be a positive integer")
     require(args.lr > 0 and args.clip > 0, f"--lr={args.lr} and --clip={args.clip} must be > 0")
@@ -83,7 +94,7 @@ def model_config(args):
 
 
 def train(args) -> list[float]:
-    """Run the training loop; returns the loss of every step run."""
+    """Run the training loop; returns the loss of every step run (the same on every rank)."""
     check_args(args)
     cfg = model_config(args)
     tokenizer = ByteTokenizer()
@@ -91,64 +102,106 @@ def train(args) -> list[float]:
             f"config vocab_size={cfg.vocab_size} is smaller than the byte tokenizer's {tokenizer.vocab_size}")
     out = Path(args.out or f"runs/{args.model}-{args.preset}")
     stream = load_token_stream(args.data, tokenizer)
-    device, dtype = torch.device(args.device), DTYPES[args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")]
+    joined = join_processes(args)
+    try:
+        return train_on(args, cfg, *layout(args), stream, out)
+    finally:
+        if joined:
+            dist.destroy_process_group()
 
-    model = MODELS[args.model][1](cfg)
-    parallel = Parallel.build(args.pp, args.dp, args.cp, args.ep)
+
+def join_processes(args) -> bool:
+    """Join torchrun's process group when launched by it and not joined yet (gloo on CPU, NCCL on CUDA)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1 or dist.is_initialized():
+        return False
+    if args.device.startswith("cuda"):
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo")
+    return True
+
+
+def layout(args) -> tuple[Parallel, torch.device]:
+    device = torch.device(args.device)
+    if device.type == "cuda" and dist.is_initialized():
+        device = torch.device("cuda", torch.cuda.current_device())
+    parallel = Parallel.build(args.pp, args.dp, args.cp, args.ep, device.type)
+    if parallel.pp > 1 or parallel.cp > 1:
+        raise LayoutError(f"--pp={parallel.pp} / --cp={parallel.cp}: pipeline and context parallelism are not built "
+                          "yet; use --pp 1 --cp 1")
+    if args.batch_size % parallel.data_ranks:
+        raise LayoutError(f"--batch-size={args.batch_size} cannot be split over dp x ep = {parallel.data_ranks} data "
+                          f"ranks; choose a multiple of {parallel.data_ranks}")
+    return parallel, device
+
+
+def train_on(args, cfg, parallel: Parallel, device: torch.device, stream, out: Path) -> list[float]:
+    dtype = DTYPES[args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
+    model = MODELS[args.model][1](cfg, parallel, **({"balance": args.balance} if args.balance else {}))
     parallel.check_model(cfg.num_hidden_layers, next(layer.num_experts for layer in model.model.layers if layer.is_moe),
                          cfg.num_attention_heads, args.seq_len)
     model.init_weights(args.seed)
-    model.to(device=device, dtype=dtype)
+    # one process: weights in the compute dtype; several: fp32 master weights, FSDP computes in dtype
+    model.to(device=device, dtype=dtype if parallel.world == 1 else torch.float32)
+    shard_model(model, parallel, param_dtype=dtype)
     if args.compile if args.compile is not None else device.type == "cuda":
         compile_stages(model)
     optimizer = adamw(model, args.lr, args.weight_decay)
-    start = 0
-    if args.resume and (out / "checkpoint.pt").exists():
-        start = restore(out / "checkpoint.pt", model, optimizer, cfg)
-
+    start = restore(out, model, optimizer, cfg) if args.resume else 0
+    lead = parallel.rank == 0
     from torch.utils.tensorboard import SummaryWriter  # heavy import: only when training
-    writer = SummaryWriter(out / "tb")
+    writer = SummaryWriter(out / "tb") if lead else None
     losses = []
-    progress = make_progress(start, args)
+    progress = make_progress(start, args) if lead else lambda loss, tokens_per_s: None
+    share = args.batch_size // parallel.data_ranks
+    rows = slice(parallel.data_rank * share, (parallel.data_rank + 1) * share)
     for step in range(start, args.steps):
         tic = time.perf_counter()
         lr = lr_at(step, args.lr, args.warmup, args.steps, args.schedule)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        input_ids, labels = (t.to(device) for t in batch_at(stream, step, args.seed, args.batch_size, args.seq_len))
-        loss = model.loss_sum(input_ids, labels) / labels.numel()
+        input_ids, labels = (t[rows].to(device) for t in batch_at(stream, step, args.seed, args.batch_size, args.seq_len))
+        loss = model.loss_sum(input_ids, labels) / (args.batch_size * args.seq_len)   # this rank's share of the mean
         loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+        grad_norm = clip_grad_norm(model.parameters(), args.clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        update_expert_bias(model)
+        loss = loss.detach()
+        if parallel.world > 1:
+            dist.all_reduce(loss, group=parallel.group("dp", "cp", "ep"))
         loss_value = loss.item()
         if not math.isfinite(loss_value):
             raise ConfigError(f"loss became {loss_value} at step {step}; lower --lr (now {args.lr}) or check the data")
-        tokens_per_s = labels.numel() / (time.perf_counter() - tic)
+        tokens_per_s = args.batch_size * args.seq_len / (time.perf_counter() - tic)
         losses.append(loss_value)
-        for name, value in (("loss", loss_value), ("lr", lr), ("grad_norm", grad_norm.item()), ("tokens_per_s", tokens_per_s)):
-            writer.add_scalar(f"train/{name}", value, step + 1)
+        if lead:
+            for name, value in (("loss", loss_value), ("lr", lr), ("grad_norm", grad_norm.item()),
+                                ("tokens_per_s", tokens_per_s)):
+                writer.add_scalar(f"train/{name}", value, step + 1)
         progress(loss_value, tokens_per_s)
         if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
-            state = dict(model=model.state_dict(), optimizer=optimizer.state_dict(), step=step + 1,
-                         config=dataclasses.asdict(cfg))
-            save_atomic(state, out / "checkpoint.pt")
-    writer.close()
-    if losses:
-        print(f"trained steps {start + 1}-{args.steps}: loss {losses[0]:.3f} -> {losses[-1]:.3f} "
-              f"(mean of last 10: {sum(losses[-10:]) / len(losses[-10:]):.3f}); "
-              f"checkpoint {out / 'checkpoint.pt'}, TensorBoard logs {out / 'tb'}")
+            checkpoint.save(out / "checkpoints", step + 1, model, optimizer,
+                            dict(config=dataclasses.asdict(cfg), layout=dict(dp=parallel.dp, ep=parallel.ep)))
+    if lead:
+        writer.close()
+        if losses:
+            print(f"trained steps {start + 1}-{args.steps}: loss {losses[0]:.3f} -> {losses[-1]:.3f} "
+                  f"(mean of last 10: {sum(losses[-10:]) / len(losses[-10:]):.3f}); "
+                  f"checkpoints {out / 'checkpoints'}, TensorBoard logs {out / 'tb'}")
     return losses
 
 
-def restore(path: Path, model, optimizer, cfg) -> int:
-    state = load(path)
-    require(state["config"] == dataclasses.asdict(cfg),
+def restore(out: Path, model, optimizer, cfg) -> int:
+    """The step to continue from: that of the newest checkpoint in <out>/checkpoints (0 when there is none)."""
+    path = checkpoint.latest(out / "checkpoints")
+    if path is None:
+        return 0
+    require(checkpoint.read_meta(path)["config"] == json.loads(json.dumps(dataclasses.asdict(cfg))),
             f"checkpoint '{path}' was trained with another model config; use another --out or drop --resume")
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    print(f"resumed from {path} at step {state['step']}")
-    return state["step"]
+    meta = checkpoint.load(path, model, optimizer)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"resumed from {path} at step {meta['step']} (saved under {meta['layout']})")
+    return meta["step"]
 
 
 def make_progress(start: int, args):

@@ -8,8 +8,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch import nn
 
-from pith_ops.token_permute import combine_tokens, count_per_expert, dispatch_tokens, sort_by_expert
+from pith_ops.token_permute import combine_tokens, count_per_expert, dedup_by_rank, dispatch_tokens, sort_by_expert
 
 
 @dataclass
@@ -21,39 +23,143 @@ class Routing:
 
 @dataclass
 class DispatchPlan:
-    order: torch.Tensor              # slot indices (token * top_k + k) sorted by expert
-    inverse: torch.Tensor            # the row of each slot in expert order
-    tokens_per_expert: torch.Tensor  # [num_experts]
+    order: torch.Tensor              # slot indices (row * top_k + k) sorted by expert
+    inverse: torch.Tensor            # the row of each slot in expert order (-1: the slot's expert is elsewhere)
+    tokens_per_expert: torch.Tensor  # [local experts]
     top_k: int
+    weights: torch.Tensor            # [rows, top_k] routing weights of the rows the experts see
+    exchange: "Exchange | None" = None
 
 
-def dispatch(tokens: torch.Tensor, routing: Routing, num_experts: int) -> tuple[torch.Tensor, DispatchPlan]:
-    """Stage 2: tokens [tokens, hidden] -> one row per (token, expert) slot, grouped by expert."""
-    order, inverse, tokens_per_expert = sort_by_expert(routing.expert_ids, num_experts)
+@dataclass
+class Exchange:
+    """How this rank's tokens went out to the expert-parallel group: one row per (token, destination rank)."""
+    group: object
+    pair_slot: torch.Tensor      # token * ranks + rank of each pair sent, in send order
+    pair_inverse: torch.Tensor   # [tokens * ranks]: the send row of each (token, rank), -1 when not sent
+    send_counts: list[int]
+    recv_counts: list[int]
+
+
+def dispatch(tokens: torch.Tensor, routing: Routing, num_experts: int, group=None) -> tuple[torch.Tensor, DispatchPlan]:
+    """Stage 2: tokens [tokens, hidden] -> one row per (token, local expert) slot, grouped by expert. With an
+    expert-parallel group, expert e lives on group rank e // (num_experts / ranks) and each token travels
+    once to each rank that holds any of its experts (dropless; the rows sent are (token, rank) pairs)."""
     top_k = routing.expert_ids.shape[1]
-    return dispatch_tokens(tokens, order, inverse, top_k), DispatchPlan(order, inverse, tokens_per_expert, top_k)
+    if group is None:
+        order, inverse, tokens_per_expert = sort_by_expert(routing.expert_ids, num_experts)
+        plan = DispatchPlan(order, inverse, tokens_per_expert, top_k, routing.weights)
+        return dispatch_tokens(tokens, order, inverse, top_k), plan
+    ranks = dist.get_world_size(group)
+    local_experts = num_experts // ranks
+    pair_token, pair_rank, pairs_per_rank, local_ids = dedup_by_rank(routing.expert_ids, local_experts, ranks)
+    slots_per_rank = count_per_expert(routing.expert_ids // local_experts, ranks)
+    counts = torch.stack([pairs_per_rank, slots_per_rank], 1)
+    received = torch.empty_like(counts)
+    dist.all_to_all_single(received, counts, group=group)   # the one host sync: all_to_all needs sizes
+    send_counts, recv_counts = pairs_per_rank.tolist(), received[:, 0].tolist()
+    pair_slot = pair_token * ranks + pair_rank
+    pair_inverse = torch.full((tokens.shape[0] * ranks,), -1, dtype=torch.int64, device=tokens.device)
+    pair_inverse[pair_slot] = torch.arange(pair_slot.numel(), device=tokens.device)
+    pair_weights = torch.where(local_ids >= 0, routing.weights[pair_token], 0)
+    rows = all_to_all(dispatch_tokens(tokens, pair_slot, pair_inverse, ranks), send_counts, recv_counts, group)
+    row_ids = all_to_all(local_ids, send_counts, recv_counts, group)
+    row_weights = all_to_all(pair_weights, send_counts, recv_counts, group)
+    order, inverse, tokens_per_expert = sort_by_expert(row_ids, local_experts, present=int(received[:, 1].sum()))
+    plan = DispatchPlan(order, inverse, tokens_per_expert, top_k, row_weights,
+                        Exchange(group, pair_slot, pair_inverse, send_counts, recv_counts))
+    return dispatch_tokens(rows, order, inverse, top_k), plan
 
 
-def combine(expert_out: torch.Tensor, routing: Routing, plan: DispatchPlan) -> torch.Tensor:
+def combine(expert_out: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
     """Stage 4: expert outputs in expert order -> [tokens, hidden], each token's outputs times its routing
-    weights, summed (fused: the [tokens, top_k, hidden] intermediate is never written)."""
-    return combine_tokens(expert_out, routing.weights, plan.order, plan.inverse, plan.top_k)
+    weights, summed (fused: the [tokens, top_k, hidden] intermediate is never written). Under expert
+    parallelism the sum over a rank's experts is taken there, so one row per (token, rank) travels back."""
+    rows = combine_tokens(expert_out, plan.weights, plan.order, plan.inverse, plan.top_k)
+    exchange = plan.exchange
+    if exchange is None:
+        return rows
+    back = all_to_all(rows, exchange.recv_counts, exchange.send_counts, exchange.group)
+    ranks = len(exchange.send_counts)
+    unit = torch.ones(exchange.pair_inverse.numel() // ranks, ranks, dtype=back.dtype, device=back.device)
+    return combine_tokens(back, unit, exchange.pair_slot, exchange.pair_inverse, ranks)
 
 
 def run_moe_layer(layer, x: torch.Tensor, *attention_args) -> torch.Tensor:
-    """Run one MoE decoder layer's five stages in order on one process."""
+    """Run one MoE decoder layer's five stages in order; its experts module says which expert-parallel group
+    (if any) its experts are spread over."""
     hidden, tokens, routing = layer.attention_stage(x, *attention_args)
-    expert_in, plan = dispatch(tokens, routing, layer.num_experts)
+    expert_in, plan = dispatch(tokens, routing, layer.num_experts, layer.mlp.experts.ep_group)
     expert_out = layer.expert_stage(expert_in, plan.tokens_per_expert)
-    return layer.aggregate_stage(hidden, tokens, combine(expert_out, routing, plan))
+    return layer.aggregate_stage(hidden, tokens, combine(expert_out, plan))
 
 
-def switch_aux_loss(probs: torch.Tensor, expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Switch load-balancing loss of one layer: num_experts * sum_e (fraction of tokens routed to e) *
-    (mean router probability of e), probs [tokens, E] the softmax over all experts (transformers'
-    load_balancing_loss_func for one layer)."""
-    counts = count_per_expert(expert_ids, num_experts).to(probs.dtype)
-    return num_experts * (counts / probs.shape[0] * probs.mean(0)).sum()
+BALANCE_MODES = ("global_batch", "micro_batch", "sequence", "aux_free")
+
+
+class LoadBalance(nn.Module):
+    """One MoE layer's load balancing, chosen per run:
+    - an aux loss coef * scale * sum_e f_e * P_e, f_e = slots routed to e / tokens and P_e = mean router
+      probability of e, over a balancing unit: the micro-batch of all data ranks together ("global_batch";
+      on one process, the micro-batch), each rank's own micro-batch ("micro_batch") or each sequence
+      ("sequence"), averaged over the units; scale is num_experts (switch loss) or num_experts / top_k
+      (DeepSeek). Each rank attaches its share, so the gradients summed over data ranks are the loss's.
+    - "aux_free": no loss; a per-expert bias added to the scores steers which experts are chosen (not their
+      weights) and moves by bias_rate toward the mean load after every optimizer step (DeepSeek-V3)."""
+
+    def __init__(self, num_experts: int, mode: str, coef: float, scale: float, data_group=None, bias_rate: float = 1e-3):
+        super().__init__()
+        if mode not in BALANCE_MODES:
+            raise ValueError(f"load balance mode {mode!r} is unknown; valid: {', '.join(BALANCE_MODES)}")
+        self.num_experts, self.mode, self.coef, self.scale = num_experts, mode, coef, scale
+        self.data_group, self.bias_rate = data_group, bias_rate
+        self.data_ranks = dist.get_world_size(data_group) if data_group is not None else 1
+        self.register_buffer("expert_bias", torch.zeros(num_experts))
+        self.register_buffer("expert_load", torch.zeros(num_experts), persistent=False)
+
+    def select(self, scores: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(expert_ids, their scores) of the top_k experts of each token."""
+        if self.mode != "aux_free":
+            chosen, expert_ids = scores.topk(top_k, dim=-1)
+            return expert_ids, chosen
+        expert_ids = (scores + self.expert_bias).topk(top_k, dim=-1).indices
+        self.expert_load += count_per_expert(expert_ids, self.num_experts)
+        return expert_ids, scores.gather(-1, expert_ids)
+
+    def attach_loss(self, hidden: torch.Tensor, probs: torch.Tensor, expert_ids: torch.Tensor, sequences: int):
+        """hidden, carrying this rank's share of the aux loss into the backward (probs [tokens, E] fp32)."""
+        if self.mode == "aux_free" or self.coef == 0:
+            return hidden
+        return attach_aux_loss(hidden, self.coef * self.scale * self.loss_share(probs, expert_ids, sequences))
+
+    def loss_share(self, probs, expert_ids, sequences: int) -> torch.Tensor:
+        """sum_e f_e * P_e of this rank's tokens, as its share of the mean over all balancing units."""
+        units = sequences if self.mode == "sequence" else 1
+        ids = expert_ids.reshape(units, -1)
+        counts = torch.zeros(units, self.num_experts, device=probs.device).scatter_add_(
+            1, ids, torch.ones(ids.shape, device=probs.device))
+        tokens = probs.shape[0] // units
+        prob_sums = probs.reshape(units, tokens, -1).sum(1)
+        if self.mode == "global_batch":   # one unit: every data rank's tokens; counts from all, probs from here
+            if self.data_group is not None:
+                counts = funcol.all_reduce(counts, "sum", self.data_group)
+            tokens *= self.data_ranks
+            return (counts / tokens * prob_sums / tokens).sum()
+        return (counts / tokens * prob_sums / tokens).sum() / (units * self.data_ranks)
+
+    @torch.no_grad()
+    def update_bias(self):
+        """After an optimizer step (aux_free): move each expert's bias toward the mean load of all data ranks."""
+        if self.data_group is not None:
+            dist.all_reduce(self.expert_load, group=self.data_group)
+        self.expert_bias += self.bias_rate * torch.sign(self.expert_load.mean() - self.expert_load)
+        self.expert_load.zero_()
+
+
+def update_expert_bias(model: nn.Module):
+    for module in model.modules():
+        if isinstance(module, LoadBalance) and module.mode == "aux_free":
+            module.update_bias()
 
 
 class _AttachAuxLoss(torch.autograd.Function):

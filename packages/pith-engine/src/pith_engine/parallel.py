@@ -4,9 +4,11 @@ Built once by the app and passed down explicitly; nothing reads parallel state f
 at mesh coordinates (pp, dp, cp, ep) with r = ((pp * DP + dp) * CP + cp) * EP + ep, so expert-parallel
 peers are neighbouring ranks (the all-to-all stays inside a node) and pipeline stages are farthest apart.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from math import prod
 
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 DIMS = ("pp", "dp", "cp", "ep")
 
@@ -22,10 +24,12 @@ class Parallel:
     cp: int = 1
     ep: int = 1
     rank: int = 0
+    mesh: DeviceMesh | None = field(default=None, compare=False, repr=False)   # None on one process
 
     @classmethod
-    def build(cls, pp: int = 1, dp: int = 1, cp: int = 1, ep: int = 1) -> "Parallel":
-        """The layout of the current process group (one process when torch.distributed is not initialized)."""
+    def build(cls, pp: int = 1, dp: int = 1, cp: int = 1, ep: int = 1, device_type: str = "cpu") -> "Parallel":
+        """The layout of the current process group (one process when torch.distributed is not initialized), with
+        its device mesh (gloo on "cpu", NCCL on "cuda", whose device each process must have set)."""
         world = dist.get_world_size() if dist.is_initialized() else 1
         sizes = dict(pp=pp, dp=dp, cp=cp, ep=ep)
         for name, size in sizes.items():
@@ -34,7 +38,33 @@ class Parallel:
         if pp * dp * cp * ep != world:
             raise LayoutError(f"pp x dp x cp x ep = {pp} x {dp} x {cp} x {ep} = {pp * dp * cp * ep}, but the world has "
                               f"{world} processes; choose sizes whose product is {world}")
-        return cls(pp, dp, cp, ep, dist.get_rank() if dist.is_initialized() else 0)
+        if world == 1:
+            return cls(pp, dp, cp, ep)
+        return cls(pp, dp, cp, ep, dist.get_rank(), init_device_mesh(device_type, (pp, dp, cp, ep), mesh_dim_names=DIMS))
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.dp * self.cp * self.ep
+
+    @property
+    def data_rank(self) -> int:
+        """Which share of each global batch this rank reads: ep ranks read different data, cp ranks share it."""
+        return self.coords["dp"] * self.ep + self.coords["ep"]
+
+    @property
+    def data_ranks(self) -> int:
+        return self.dp * self.ep
+
+    def mesh_over(self, *names: str) -> DeviceMesh:
+        """The 1-d mesh of this rank's group over the named dimensions (for FSDP and DTensors)."""
+        sub = self.mesh[names]
+        return sub._flatten("_".join(names)) if len(names) > 1 else sub
+
+    def group(self, *names: str):
+        """This rank's process group over the named dimensions; None when the group is this rank alone."""
+        if prod(getattr(self, name) for name in names) == 1:
+            return None
+        return self.mesh_over(*names).get_group()
 
     @property
     def coords(self) -> dict[str, int]:

@@ -12,13 +12,21 @@ import triton
 import triton.language as tl
 
 
-def sort_by_expert(expert_ids: torch.Tensor, num_experts: int):
-    """expert_ids [tokens, top_k] -> (order [slots], inverse [slots], tokens_per_expert [E])."""
+def sort_by_expert(expert_ids: torch.Tensor, num_experts: int, present: int | None = None):
+    """expert_ids [tokens, top_k] -> (order [slots], inverse [slots], tokens_per_expert [E]).
+
+    With `present` (the number of ids >= 0, known to the caller without a device sync), ids of -1 mark
+    absent slots: they are left out of order and get inverse -1, which the gather-sum kernels skip."""
     flat = expert_ids.flatten()
-    order = torch.argsort(flat, stable=True)
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel(), device=order.device)
-    return order, inverse, count_per_expert(flat, num_experts)
+    if present is None:
+        order = torch.argsort(flat, stable=True)
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        return order, inverse, count_per_expert(flat, num_experts)
+    order = torch.argsort(torch.where(flat >= 0, flat, num_experts), stable=True)[:present]
+    inverse = torch.full_like(flat, -1)
+    inverse[order] = torch.arange(present, device=order.device)
+    return order, inverse, count_per_expert(flat[order], num_experts)
 
 
 def count_per_expert(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -55,13 +63,14 @@ def _gather_kernel(src_ptr, order_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLO
 @triton.jit
 def _sum_slots_kernel(src_ptr, inverse_ptr, weights_ptr, out_ptr, hidden,
                       TOP_K: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK: tl.constexpr):
-    """out[t] = sum_j w[t, j] * src[inverse[t * TOP_K + j]] (w = 1 when not WEIGHTED), fp32 accumulation."""
+    """out[t] = sum_j w[t, j] * src[inverse[t * TOP_K + j]] (w = 1 when not WEIGHTED), fp32 accumulation;
+    absent slots (inverse -1) add nothing."""
     token = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for j in tl.static_range(TOP_K):
         row = tl.load(inverse_ptr + token * TOP_K + j)
-        values = tl.load(src_ptr + row * hidden + cols, mask=cols < hidden, other=0.0).to(tl.float32)
+        values = tl.load(src_ptr + row * hidden + cols, mask=(cols < hidden) & (row >= 0), other=0.0).to(tl.float32)
         if WEIGHTED:
             values *= tl.load(weights_ptr + token * TOP_K + j).to(tl.float32)
         acc += values
@@ -125,7 +134,7 @@ def combine_op(expert_out: torch.Tensor, weights: torch.Tensor, order: torch.Ten
 def combine_backward_op(grad: torch.Tensor, expert_out: torch.Tensor, order: torch.Tensor, weights: torch.Tensor,
                         top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     expert_out, weights = expert_out.contiguous(), weights.contiguous()
-    grad_expert_out, grad_weights = torch.empty_like(expert_out), torch.empty_like(weights)
+    grad_expert_out, grad_weights = torch.empty_like(expert_out), torch.zeros_like(weights)   # absent slots: 0
     _launch(_combine_backward_kernel, order.numel(), expert_out.shape[1], grad.contiguous(), expert_out, order,
             weights, grad_expert_out, grad_weights, TOP_K=top_k)
     return grad_expert_out, grad_weights
@@ -181,8 +190,9 @@ def dispatch_reference(x, order, top_k):
 
 
 def combine_reference(expert_out, weights, inverse, top_k):
-    slots = expert_out.index_select(0, inverse).unflatten(0, (-1, top_k)).float()
-    return (slots * weights.float().unsqueeze(-1)).sum(1).to(expert_out.dtype)
+    slots = expert_out.index_select(0, inverse.clamp(min=0)).unflatten(0, (-1, top_k)).float()
+    weights = weights.float() * (inverse >= 0).view_as(weights)
+    return (slots * weights.unsqueeze(-1)).sum(1).to(expert_out.dtype)
 
 
 def dispatch_tokens(x, order, inverse, top_k, use_kernel=None):
@@ -194,7 +204,7 @@ def dispatch_tokens(x, order, inverse, top_k, use_kernel=None):
 
 def combine_tokens(expert_out, weights, order, inverse, top_k, use_kernel=None):
     """expert_out [slots, hidden] in expert order, weights [tokens, top_k] -> [tokens, hidden]:
-    each token's expert outputs times its routing weights, summed in fp32."""
+    each token's expert outputs times its routing weights, summed in fp32 (absent slots, inverse -1, skipped)."""
     if use_kernel if use_kernel is not None else expert_out.is_cuda:
         return combine_op(expert_out, weights, order, inverse, top_k)
     return combine_reference(expert_out, weights, inverse, top_k)

@@ -23,7 +23,8 @@ from torch import nn
 from pith_apps.config import config_from_dict, require
 from pith_apps.models.layers import (CausalLM, RMSNorm, causal_attention, SwiGLUExperts, apply_rotary, default_inv_freq, rope_parameters,
                                      rotary_cos_sin, yarn_inv_freq, yarn_mscale)
-from pith_engine.moe import Routing, attach_aux_loss, run_moe_layer
+from pith_engine.moe import LoadBalance, Routing, run_moe_layer
+from pith_engine.parallel import Parallel
 
 LATENT_NORM_EPS = 1e-6  # DeepSeek builds q_a_layernorm / kv_a_layernorm with the default eps, not rms_norm_eps
 # config.json values this file implements only one way of (the first is the default)
@@ -174,10 +175,10 @@ class DeepseekV2Attention(nn.Module):
 
 
 class DeepseekV2Moe(nn.Module):
-    def __init__(self, cfg: DeepseekV2Config):
+    def __init__(self, cfg: DeepseekV2Config, parallel: Parallel):
         super().__init__()
         self.gate = nn.Linear(cfg.hidden_size, cfg.n_routed_experts, bias=False)
-        self.experts = SwiGLUExperts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        self.experts = SwiGLUExperts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, parallel)
         self.shared_experts = DeepseekV2MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
 
 
@@ -185,16 +186,22 @@ class DeepseekV2DecoderLayer(nn.Module):
     """A dense layer (the first first_k_dense_replace) runs whole through forward; an MoE layer runs as stages
     through run_moe_layer."""
 
-    def __init__(self, cfg: DeepseekV2Config, moe: bool):
+    def __init__(self, cfg: DeepseekV2Config, moe: bool, parallel: Parallel, balance: str | None):
         super().__init__()
         self.is_moe, self.num_experts, self.top_k = moe, cfg.n_routed_experts, cfg.num_experts_per_tok
         self.cfg = cfg
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = DeepseekV2Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = DeepseekV2Moe(cfg) if moe else DeepseekV2MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = DeepseekV2Moe(cfg, parallel) if moe else DeepseekV2MLP(cfg.hidden_size, cfg.intermediate_size)
+        if moe:   # DeepSeek's expert balance loss is the switch loss divided by top_k
+            self.balance = LoadBalance(cfg.n_routed_experts, balance or ("sequence" if cfg.seq_aux else "global_batch"),
+                                       cfg.aux_loss_alpha, cfg.n_routed_experts / cfg.num_experts_per_tok,
+                                       parallel.group("dp", "cp", "ep"))
 
     def forward(self, x, cos, sin):
+        if self.is_moe:
+            return run_moe_layer(self, x, cos, sin)
         hidden = x + self.self_attn(self.input_layernorm(x), cos, sin)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
@@ -203,8 +210,7 @@ class DeepseekV2DecoderLayer(nn.Module):
         tokens = self.post_attention_layernorm(hidden).flatten(0, 1)
         scores = torch.softmax(F.linear(tokens.float(), self.mlp.gate.weight.float()), dim=-1)  # router in fp32
         expert_ids, weights = self.route(scores)
-        # the sequence-level loss needs the batch shape, which only this stage still has
-        hidden = attach_aux_loss(hidden, self.cfg.aux_loss_alpha * self.balance_loss(scores, expert_ids, x.shape[0]))
+        hidden = self.balance.attach_loss(hidden, scores, expert_ids, x.shape[0])
         return hidden, tokens, Routing(expert_ids, weights.to(x.dtype))
 
     def route(self, scores):
@@ -215,20 +221,10 @@ class DeepseekV2DecoderLayer(nn.Module):
             best = groups.amax(-1).topk(cfg.topk_group, dim=-1).indices
             keep = torch.zeros(groups.shape[:-1], dtype=torch.bool, device=scores.device).scatter_(-1, best, True)
             candidates = groups.masked_fill(~keep.unsqueeze(-1), 0.0).flatten(-2)
-        weights, expert_ids = candidates.topk(self.top_k, dim=-1)
+        expert_ids, weights = self.balance.select(candidates, self.top_k)
         if cfg.norm_topk_prob and self.top_k > 1:  # DeepSeek-V2 renormalizes instead of scaling
             return expert_ids, weights / (weights.sum(-1, keepdim=True) + 1e-20)
         return expert_ids, weights * cfg.routed_scaling_factor
-
-    def balance_loss(self, scores, expert_ids, batch: int):
-        """DeepSeek's expert balance loss sum_e f_e * P_e over T tokens: f_e = E / (K * T) * (slots routed to e),
-        P_e = mean score of e. seq_aux: T is one sequence and the per-sequence losses are averaged."""
-        groups = batch if self.cfg.seq_aux else 1
-        chosen = expert_ids.view(groups, -1)
-        counts = torch.zeros(groups, self.num_experts, device=scores.device).scatter_add_(
-            1, chosen, torch.ones(chosen.shape, device=scores.device))
-        fraction = counts * self.num_experts / chosen.shape[1]
-        return (fraction * scores.view(groups, -1, self.num_experts).mean(1)).sum(1).mean()
 
     def expert_stage(self, x, tokens_per_expert):
         return self.mlp.experts(x, tokens_per_expert)
@@ -238,13 +234,14 @@ class DeepseekV2DecoderLayer(nn.Module):
 
 
 class DeepseekV2ForCausalLM(CausalLM):
-    def __init__(self, cfg: DeepseekV2Config):
-        super().__init__(cfg, (DeepseekV2DecoderLayer(cfg, moe=n >= cfg.first_k_dense_replace)
+    def __init__(self, cfg: DeepseekV2Config, parallel: Parallel = Parallel(), balance: str | None = None):
+        """balance None: DeepSeek's own choice, a sequence-level loss when cfg.seq_aux, else global_batch."""
+        super().__init__(cfg, (DeepseekV2DecoderLayer(cfg, n >= cfg.first_k_dense_replace, parallel, balance)
                                for n in range(cfg.num_hidden_layers)), RMSNorm(cfg.hidden_size, cfg.rms_norm_eps))
 
     def hidden_states(self, input_ids):
         x = self.model.embed_tokens(input_ids)
         cos, sin = rotary_tables(self.config, input_ids.shape[1], input_ids.device, x.dtype)
         for layer in self.model.layers:
-            x = run_moe_layer(layer, x, cos, sin) if layer.is_moe else layer(x, cos, sin)
+            x = layer(x, cos, sin)
         return self.model.norm(x)

@@ -18,8 +18,9 @@ from torch import nn
 from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
 
 from pith_apps.config import config_from_dict, require
-from pith_apps.models.layers import CausalLM, RMSNorm, apply_rotary, rope_parameters, rotary_cos_sin, yarn_inv_freq, yarn_mscale
-from pith_engine.moe import Routing, attach_aux_loss, run_moe_layer, switch_aux_loss
+from pith_apps.models.layers import CausalLM, LocalExperts, RMSNorm, apply_rotary, rope_parameters, rotary_cos_sin, yarn_inv_freq, yarn_mscale
+from pith_engine.moe import LoadBalance, Routing, run_moe_layer
+from pith_engine.parallel import Parallel
 from pith_ops.grouped_gemm import grouped_bias_add, grouped_linear
 from pith_ops.swiglu import clamped_swiglu
 
@@ -172,13 +173,13 @@ class GptOssAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
-class GptOssExperts(nn.Module):
+class GptOssExperts(LocalExperts):
     """down(clamped_swiglu(gate_up(x) + b1)) + b2 per expert, stacked for grouped GEMMs. The biases are
     inside the expert, so the routing weight scales them too."""
 
-    def __init__(self, cfg: GptOssConfig):
-        super().__init__()
-        experts, hidden, inter = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
+    def __init__(self, cfg: GptOssConfig, parallel: Parallel):
+        super().__init__(cfg.num_local_experts, parallel)
+        experts, hidden, inter = self.local_experts, cfg.hidden_size, cfg.intermediate_size
         self.alpha, self.limit = cfg.swiglu_alpha, cfg.swiglu_limit
         self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * inter, hidden))
         self.gate_up_proj_bias = nn.Parameter(torch.zeros(experts, 2 * inter))
@@ -201,31 +202,34 @@ class GptOssExperts(nn.Module):
 
 
 class GptOssSparseBlock(nn.Module):
-    def __init__(self, cfg: GptOssConfig):
+    def __init__(self, cfg: GptOssConfig, parallel: Parallel):
         super().__init__()
         self.router = nn.Linear(cfg.hidden_size, cfg.num_local_experts)
-        self.experts = GptOssExperts(cfg)
+        self.experts = GptOssExperts(cfg, parallel)
 
 
 class GptOssDecoderLayer(nn.Module):
     is_moe = True
-    def __init__(self, cfg: GptOssConfig, layer_type: str):
+    def __init__(self, cfg: GptOssConfig, layer_type: str, parallel: Parallel, balance: str):
         super().__init__()
         self.num_experts, self.top_k = cfg.num_local_experts, cfg.num_experts_per_tok
-        self.aux_loss_coef = cfg.router_aux_loss_coef
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, scale_in_fp32=True)
         self.self_attn = GptOssAttention(cfg, layer_type)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, scale_in_fp32=True)
-        self.mlp = GptOssSparseBlock(cfg)
+        self.mlp = GptOssSparseBlock(cfg, parallel)
+        self.balance = LoadBalance(cfg.num_local_experts, balance, cfg.router_aux_loss_coef, cfg.num_local_experts,
+                                   parallel.group("dp", "cp", "ep"))
+
+    def forward(self, x, cos, sin):
+        return run_moe_layer(self, x, cos, sin)
 
     def attention_stage(self, x, cos, sin):
         hidden = x + self.self_attn(self.input_layernorm(x), cos, sin)
         tokens = self.post_attention_layernorm(hidden).flatten(0, 1)
         logits = self.mlp.router(tokens).float()
-        top_logits, expert_ids = torch.topk(logits, self.top_k, dim=-1)  # top-k of raw logits, softmax over the k
+        expert_ids, top_logits = self.balance.select(logits, self.top_k)  # top-k of raw logits, softmax over the k
         weights = torch.softmax(top_logits, dim=-1)
-        aux = switch_aux_loss(torch.softmax(logits, dim=-1), expert_ids, self.num_experts)
-        hidden = attach_aux_loss(hidden, self.aux_loss_coef * aux)
+        hidden = self.balance.attach_loss(hidden, torch.softmax(logits, dim=-1), expert_ids, x.shape[0])
         return hidden, tokens, Routing(expert_ids, weights.to(x.dtype))
 
     def expert_stage(self, x, tokens_per_expert):
@@ -236,8 +240,8 @@ class GptOssDecoderLayer(nn.Module):
 
 
 class GptOssForCausalLM(CausalLM):
-    def __init__(self, cfg: GptOssConfig):
-        super().__init__(cfg, (GptOssDecoderLayer(cfg, layer_type) for layer_type in cfg.layer_types),
+    def __init__(self, cfg: GptOssConfig, parallel: Parallel = Parallel(), balance: str = "global_batch"):
+        super().__init__(cfg, (GptOssDecoderLayer(cfg, layer_type, parallel, balance) for layer_type in cfg.layer_types),
                          RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, scale_in_fp32=True))
 
     def hidden_states(self, input_ids):
@@ -248,5 +252,5 @@ class GptOssForCausalLM(CausalLM):
                                  cfg.rope_beta_fast, cfg.rope_beta_slow, truncate=cfg.rope_truncate)
         cos, sin = rotary_cos_sin(positions, inv_freq, x.dtype, scale=cfg.rope_attention_factor)
         for layer in self.model.layers:
-            x = run_moe_layer(layer, x, cos, sin)
+            x = layer(x, cos, sin)
         return self.model.norm(x)

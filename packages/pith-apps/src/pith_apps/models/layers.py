@@ -3,6 +3,7 @@
 init / logits / loss / Hugging Face views. Each model file still instantiates its own layers from these;
 anything a family does differently stays in its own file."""
 import math
+import zlib
 
 import torch
 import torch.nn.functional as F
@@ -12,6 +13,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from pith_ops.cross_entropy import linear_cross_entropy
 from pith_ops.grouped_gemm import grouped_linear
 from pith_ops.swiglu import swiglu
+from pith_engine.parallel import Parallel
 
 
 class RMSNorm(nn.Module):
@@ -91,15 +93,26 @@ def causal_attention(q, k, v, scale: float, enable_gqa: bool = False):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa)
 
 
-class SwiGLUExperts(nn.Module):
-    """Experts of down(silu(gate(x)) * up(x)) stacked for grouped GEMMs: gate_up_proj [E, 2 * inter,
-    hidden] (gate rows, then up rows) and down_proj [E, hidden, inter]."""
+class LocalExperts(nn.Module):
+    """Experts module base: this rank holds experts first_expert .. first_expert + local_experts - 1 of
+    num_experts, the expert-parallel group's share (all of them on one process)."""
 
-    def __init__(self, num_experts: int, hidden: int, inter: int):
+    def __init__(self, num_experts: int, parallel: Parallel):
         super().__init__()
+        self.local_experts = num_experts // parallel.ep
+        self.first_expert = parallel.coords["ep"] * self.local_experts
+        self.ep_group = parallel.group("ep")
+
+
+class SwiGLUExperts(LocalExperts):
+    """Experts of down(silu(gate(x)) * up(x)) stacked for grouped GEMMs: gate_up_proj [E, 2 * inter,
+    hidden] (gate rows, then up rows) and down_proj [E, hidden, inter], E the local experts."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int, parallel: Parallel):
+        super().__init__(num_experts, parallel)
         self.inter = inter
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
+        self.gate_up_proj = nn.Parameter(torch.empty(self.local_experts, 2 * inter, hidden))
+        self.down_proj = nn.Parameter(torch.empty(self.local_experts, hidden, inter))
 
     def forward(self, x, tokens_per_expert):
         gate_up = grouped_linear(x, self.gate_up_proj, tokens_per_expert)
@@ -107,10 +120,11 @@ class SwiGLUExperts(nn.Module):
 
     def hf_views(self, prefix: str):
         """(Hugging Face name, view of our parameter) for each expert's gate/up/down weight."""
-        for e in range(self.gate_up_proj.shape[0]):
-            yield f"{prefix}.{e}.gate_proj.weight", self.gate_up_proj[e, :self.inter]
-            yield f"{prefix}.{e}.up_proj.weight", self.gate_up_proj[e, self.inter:]
-            yield f"{prefix}.{e}.down_proj.weight", self.down_proj[e]
+        for e in range(self.local_experts):
+            name = f"{prefix}.{self.first_expert + e}"
+            yield f"{name}.gate_proj.weight", self.gate_up_proj[e, :self.inter]
+            yield f"{name}.up_proj.weight", self.gate_up_proj[e, self.inter:]
+            yield f"{name}.down_proj.weight", self.down_proj[e]
 
 
 class CausalLM(nn.Module):
@@ -127,15 +141,24 @@ class CausalLM(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int):
-        """Norm weights 1, biases 0 (the router's drawn like weights), everything else normal(0, initializer_range)."""
-        generator = torch.Generator().manual_seed(seed)
+        """Norm weights 1, biases 0 (the router's drawn like weights), everything else normal(0, initializer_range),
+        each tensor (each expert of a stack) drawn from its own seed and name, so that every parallel layout
+        starts from the same weights."""
+        def draw(key: str, shape):
+            generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
+            return torch.randn(shape, generator=generator) * self.config.initializer_range
+
         for name, param in self.named_parameters():
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
             elif name.endswith("bias") and ".router." not in name:
                 param.zero_()
+            elif ".mlp.experts." in name:
+                experts = self.get_submodule(name.rsplit(".", 1)[0])
+                for e in range(param.shape[0]):
+                    param[e].copy_(draw(f"{name}.{experts.first_expert + e}", param.shape[1:]))
             else:
-                param.copy_(torch.randn(param.shape, generator=generator) * self.config.initializer_range)
+                param.copy_(draw(name, param.shape))
 
     def forward(self, input_ids):
         return self.lm_head(self.hidden_states(input_ids))

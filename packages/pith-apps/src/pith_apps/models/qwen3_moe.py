@@ -15,7 +15,8 @@ from torch import nn
 
 from pith_apps.config import config_from_dict, require
 from pith_apps.models.layers import CausalLM, RMSNorm, causal_attention, SwiGLUExperts, apply_rotary, default_inv_freq, rope_parameters, rotary_cos_sin
-from pith_engine.moe import Routing, attach_aux_loss, run_moe_layer, switch_aux_loss
+from pith_engine.moe import LoadBalance, Routing, run_moe_layer
+from pith_engine.parallel import Parallel
 
 
 @dataclass
@@ -85,31 +86,35 @@ class Qwen3MoeAttention(nn.Module):
 
 
 class Qwen3MoeSparseBlock(nn.Module):
-    def __init__(self, cfg: Qwen3MoeConfig):
+    def __init__(self, cfg: Qwen3MoeConfig, parallel: Parallel):
         super().__init__()
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
-        self.experts = SwiGLUExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        self.experts = SwiGLUExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, parallel)
 
 
 class Qwen3MoeDecoderLayer(nn.Module):
     is_moe = True
-    def __init__(self, cfg: Qwen3MoeConfig):
+    def __init__(self, cfg: Qwen3MoeConfig, parallel: Parallel, balance: str):
         super().__init__()
-        self.num_experts, self.top_k = cfg.num_experts, cfg.num_experts_per_tok
-        self.norm_topk_prob, self.aux_loss_coef = cfg.norm_topk_prob, cfg.router_aux_loss_coef
+        self.num_experts, self.top_k, self.norm_topk_prob = cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Qwen3MoeAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = Qwen3MoeSparseBlock(cfg)
+        self.mlp = Qwen3MoeSparseBlock(cfg, parallel)
+        self.balance = LoadBalance(cfg.num_experts, balance, cfg.router_aux_loss_coef, cfg.num_experts,
+                                   parallel.group("dp", "cp", "ep"))
+
+    def forward(self, x, cos, sin):
+        return run_moe_layer(self, x, cos, sin)
 
     def attention_stage(self, x, cos, sin):
         hidden = x + self.self_attn(self.input_layernorm(x), cos, sin)
         tokens = self.post_attention_layernorm(hidden).flatten(0, 1)
         probs = torch.softmax(self.mlp.gate(tokens).float(), dim=-1)
-        weights, expert_ids = torch.topk(probs, self.top_k, dim=-1)
+        expert_ids, weights = self.balance.select(probs, self.top_k)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        hidden = attach_aux_loss(hidden, self.aux_loss_coef * switch_aux_loss(probs, expert_ids, self.num_experts))
+        hidden = self.balance.attach_loss(hidden, probs, expert_ids, x.shape[0])
         return hidden, tokens, Routing(expert_ids, weights.to(x.dtype))
 
     def expert_stage(self, x, tokens_per_expert):
@@ -120,8 +125,8 @@ class Qwen3MoeDecoderLayer(nn.Module):
 
 
 class Qwen3MoeForCausalLM(CausalLM):
-    def __init__(self, cfg: Qwen3MoeConfig):
-        super().__init__(cfg, (Qwen3MoeDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers)),
+    def __init__(self, cfg: Qwen3MoeConfig, parallel: Parallel = Parallel(), balance: str = "global_batch"):
+        super().__init__(cfg, (Qwen3MoeDecoderLayer(cfg, parallel, balance) for _ in range(cfg.num_hidden_layers)),
                          RMSNorm(cfg.hidden_size, cfg.rms_norm_eps))
 
     def hidden_states(self, input_ids):
@@ -129,5 +134,5 @@ class Qwen3MoeForCausalLM(CausalLM):
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)
         cos, sin = rotary_cos_sin(positions, default_inv_freq(self.config.head_dim, self.config.rope_theta), x.dtype)
         for layer in self.model.layers:
-            x = run_moe_layer(layer, x, cos, sin)
+            x = layer(x, cos, sin)
         return self.model.norm(x)

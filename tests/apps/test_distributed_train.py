@@ -1,0 +1,82 @@
+"""The training app on 2 gloo processes (ep = 2, dp = 2) against the 1-process run on the same global batches,
+resuming across layouts from distributed checkpoints; and a save killed midway."""
+import json
+import os
+import shutil
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import pith_apps.train as train_app
+from distributed import run_on_processes
+from pith_engine import checkpoint
+from pith_engine.parallel import Parallel
+
+# constant LR after warmup, so that a run stopped at step 3 and resumed to 6 has the schedule of a 6-step run
+RUN = ["qwen3", "--batch-size", "4", "--seq-len", "32", "--warmup", "2", "--schedule", "constant", "--quiet",
+       "--save-every", "3"]
+
+
+def train(out, steps, *flags):
+    return train_app.train(train_app.parse_args([*RUN, "--out", str(out), "--steps", str(steps), *flags]))
+
+
+def two_process_runs(rank, world, root):
+    """ep = 2: steps 1-3, then resume to 6. dp = 2: resume to 6 from the ep = 2 checkpoint of step 3."""
+    losses = {"ep2": train(root / "ep2", 3, "--ep", "2")}
+    if rank == 0:
+        shutil.copytree(root / "ep2", root / "dp2")
+        shutil.copytree(root / "ep2", root / "ep1")
+    dist.barrier()
+    losses["ep2"] += train(root / "ep2", 6, "--ep", "2", "--resume")
+    losses["dp2"] = train(root / "dp2", 6, "--dp", "2", "--resume")
+    if rank == 0:
+        (root / "losses.json").write_text(json.dumps(losses))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("distributed_train")
+    run_on_processes(2, two_process_runs, root)
+    losses = json.loads((root / "losses.json").read_text())
+    losses["one"] = train(root / "one", 6)
+    losses["ep1"] = train(root / "ep1", 6, "--resume")   # 1 process, from the ep = 2 checkpoint of step 3
+    return losses
+
+
+@pytest.mark.parametrize("name,steps", [("ep2", slice(0, 6)), ("dp2", slice(3, 6)), ("ep1", slice(3, 6))])
+def test_two_process_runs_and_cross_layout_resumes_log_the_one_process_losses(runs, name, steps):
+    """float32; the layouts differ only in summation order: every logged loss within 1e-5 relative."""
+    assert len(runs[name]) == len(range(6)[steps])
+    for got, expected in zip(runs[name], runs["one"][steps]):
+        assert abs(got - expected) < 1e-5 * expected
+    assert runs["one"][-1] < runs["one"][0]
+
+
+def save_then_die(out):
+    """Load step 3, start saving step 4 and die (os._exit, like a kill) once the data is written."""
+    args = train_app.parse_args([*RUN, "--out", str(out)])
+    cfg = train_app.model_config(args)
+    model = train_app.MODELS["qwen3"][1](cfg)
+    optimizer = train_app.adamw(model, 1e-3, 0.0)
+    checkpoint.load(checkpoint.latest(out / "checkpoints"), model, optimizer)
+    checkpoint.write_atomic = lambda path, text: os._exit(9)
+    checkpoint.save(out / "checkpoints", 4, model, optimizer, {})
+
+
+def test_a_save_killed_midway_leaves_the_last_checkpoint_loadable(tmp_path):
+    train(tmp_path, 3)
+    process = torch.multiprocessing.get_context("spawn").Process(target=save_then_die, args=(tmp_path,))
+    process.start()
+    process.join()
+    assert process.exitcode == 9 and (tmp_path / "checkpoints" / "step-00000004.tmp").is_dir()
+    path = checkpoint.latest(tmp_path / "checkpoints")
+    assert path.name == "step-00000003"
+    args = train_app.parse_args([*RUN, "--out", str(tmp_path)])
+    model = train_app.MODELS["qwen3"][1](train_app.model_config(args), Parallel())
+    optimizer = train_app.adamw(model, 1e-3, 0.0)
+    assert checkpoint.load(path, model, optimizer)["step"] == 3
+    assert all(torch.isfinite(p).all() and p.abs().sum() > 0 for p in model.parameters())
+    # the resumed run continues from step 3 over the half-written step 4
+    assert len(train(tmp_path, 5, "--resume")) == 2

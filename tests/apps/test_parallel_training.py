@@ -1,0 +1,94 @@
+"""Expert and data parallelism (FSDP2) on spawned gloo processes against the single-process reference on the
+same global batch: loss, every parameter's gradient, the clipped global norm and the aux-free expert bias."""
+import pytest
+import torch
+import torch.distributed as dist
+
+from conftest import relative_error
+from distributed import run_on_processes
+from pith_apps.config import read_json
+from pith_apps.train import MODELS, PRESETS
+from pith_engine.data_parallel import clip_grad_norm, shard_model
+from pith_engine.moe import update_expert_bias
+from pith_engine.parallel import Parallel
+
+BATCH, SEQ = 4, 16
+
+
+def build(family, parallel, balance):
+    config_cls, model_cls = MODELS[family]
+    cfg = config_cls.from_dict(read_json(PRESETS / f"{family}_tiny.json") | {"initializer_range": 0.2})
+    model = model_cls(cfg, parallel, **({"balance": balance} if balance else {}))
+    model.init_weights(seed=3)
+    return model
+
+
+def global_batch(vocab):
+    ids = torch.randint(0, vocab, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(5))
+    return ids[:, :-1], ids[:, 1:]
+
+
+def train_step(model, ids, labels, tokens):
+    """One step's gradients, clipped to a norm of 0.5; returns (loss share, norm before the clip)."""
+    loss = model.loss_sum(ids, labels) / tokens
+    loss.backward()
+    norm = clip_grad_norm(model.parameters(), 0.5)
+    update_expert_bias(model)
+    return loss.detach(), norm
+
+
+def full_state(model):
+    """{name: (first expert or 0, gradient, expert bias or parameter)} as full tensors, this rank's experts."""
+    result = {}
+    for name, param in model.named_parameters():
+        grad = param.grad.full_tensor() if hasattr(param.grad, "full_tensor") else param.grad
+        first = model.get_submodule(name.rsplit(".", 1)[0]).first_expert if ".mlp.experts." in name else 0
+        result[name] = (first, grad)
+    for name, buffer in model.named_buffers():
+        if name.endswith("expert_bias"):
+            result[name] = (0, buffer.clone())
+    return result
+
+
+def parallel_body(rank, world, layouts, out):
+    """Every layout of this world size in one spawn: each process pays its imports once."""
+    for family, dp, ep, balance in layouts:
+        parallel = Parallel.build(dp=dp, ep=ep)
+        model = shard_model(build(family, parallel, balance), parallel)
+        ids, labels = global_batch(model.config.vocab_size)
+        share = BATCH // parallel.data_ranks
+        rows = slice(parallel.data_rank * share, (parallel.data_rank + 1) * share)
+        loss, norm = train_step(model, ids[rows], labels[rows], labels.numel())
+        dist.all_reduce(loss)
+        torch.save(dict(loss=loss, norm=norm, state=full_state(model)), out / f"{family}-{dp}-{ep}-{balance}-{rank}.pt")
+
+
+LAYOUTS = [("qwen3", 1, 2, None), ("qwen3", 2, 1, None), ("qwen3", 1, 4, None), ("qwen3", 2, 2, "aux_free"),
+           ("deepseek_v2", 1, 2, None), ("deepseek_v2", 2, 1, None), ("deepseek_v2", 2, 2, None),
+           ("deepseek_v2", 1, 4, "global_batch"), ("gpt_oss", 1, 2, None), ("gpt_oss", 2, 2, None)]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("parallel")
+    for world in (2, 4):
+        run_on_processes(world, parallel_body, [layout for layout in LAYOUTS if layout[1] * layout[2] == world], out)
+    return out
+
+
+@pytest.mark.parametrize("family,dp,ep,balance", LAYOUTS)
+def test_expert_and_data_parallel_step_equals_one_process(family, dp, ep, balance, results):
+    """float32: loss within 1e-6, every gradient within 1e-5 relative error (only summation order differs)."""
+    model = build(family, Parallel(), balance)
+    ids, labels = global_batch(model.config.vocab_size)
+    loss, norm = train_step(model, ids, labels, labels.numel())
+    reference = full_state(model)
+    for rank in range(dp * ep):
+        result = torch.load(results / f"{family}-{dp}-{ep}-{balance}-{rank}.pt")
+        assert abs(result["loss"].item() - loss.item()) < 1e-6 * loss.item()
+        assert abs(result["norm"].item() - norm.item()) < 1e-5 * norm.item() and norm.item() > 0.5   # clip active
+        for name, (first, value) in result["state"].items():
+            expected = reference[name][1]
+            expected = expected[first:first + value.shape[0]] if ".mlp.experts." in name else expected
+            assert relative_error(value, expected) < 1e-5, (rank, name)
+        assert len(result["state"]) == len(reference)
