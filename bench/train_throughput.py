@@ -11,6 +11,7 @@ numbers, and whose FLOP count it uses so that MFU is counted the same way).
 Writes $OUT/train_throughput.json when OUT is set; --profile adds a per-kernel CUDA time table per family.
 """
 import argparse
+import gc
 import importlib.util
 import json
 import os
@@ -46,6 +47,16 @@ def build(name, layers):
     return compile_stages(model)
 
 
+def clean_gpu() -> float:
+    """Free what earlier runs left (compiled code holds its layers in reference cycles) and restart the peak
+    count, so that each side's peak memory is its own; returns the GiB still allocated."""
+    torch._dynamo.reset()
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    return torch.cuda.memory_allocated() / 2**30
+
+
 def run(name, layers, seq, accum, steps=6):
     torch.manual_seed(0)
     model = build(name, layers)
@@ -66,8 +77,6 @@ def run(name, layers, seq, accum, steps=6):
     step = sorted(times[2:])[len(times[2:]) // 2]
     memory = torch.cuda.max_memory_allocated() / 2**30
     del model, optimizer
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
     return dict(step_s=round(step, 4), tok_s=round(accum * seq / step), peak_mem_gib=round(memory, 1),
                 loss=round(loss.item() * accum, 3))
 
@@ -109,8 +118,12 @@ def main():
         kind = REAL[name][1]
         flops = hf.flops_per_token(hf.config(kind, args.layers), kind, args.seq)
         for accum in args.accum:
+            left = clean_gpu()
             ours = run(name, args.layers, args.seq, accum)
+            left = max(left, clean_gpu())
             theirs = hf.run(kind, args.layers, args.seq, "grouped_mm", accum)
+            if left > 0.01:
+                print(f"warning: {left:.2f} GiB still allocated before a run; peak memory includes it", flush=True)
             row = dict(family=name, accum=accum, pith=ours, hf=theirs,
                        pith_mfu_pct=round(100 * ours["tok_s"] * flops / 1e12 / peak, 1),
                        hf_mfu_pct=round(100 * theirs["tok_s"] * flops / 1e12 / peak, 1),
@@ -118,6 +131,7 @@ def main():
             rows.append(row)
             print(json.dumps(row), flush=True)
         if args.profile:
+            clean_gpu()
             profile(name, args.layers, args.seq, os.path.join(os.environ.get("OUT", "."), f"profile_{name}.txt"))
     print("\nfamily       accum  pith tok/s  hf tok/s  speedup  pith MFU  hf MFU  pith GiB  hf GiB")
     for r in rows:

@@ -71,7 +71,8 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 
 def rotary_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype, scale: float = 1.0):
     """cos and sin [seq, dim] for the rotate-half layout (each frequency appears twice)."""
-    angles = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]
+    # non_blocking: a blocking copy from pageable memory would wait for the GPU to drain every forward
+    angles = positions.float()[:, None] * inv_freq.to(positions.device, non_blocking=True)[None, :]
     angles = torch.cat([angles, angles], dim=-1)
     return (angles.cos() * scale).to(dtype), (angles.sin() * scale).to(dtype)
 
