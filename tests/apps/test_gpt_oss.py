@@ -13,9 +13,11 @@ from safetensors.torch import load_file, save_file
 from conftest import relative_error
 from hf_compare import GRAD_TOLERANCE, check_export_round_trip, compare_forward_and_backward, load_ours, save_tiny_hf_model, shifted_labels
 from pith_apps.config import ConfigError, read_json
-from pith_apps.models.gpt_oss import (GptOssConfig, GptOssForCausalLM, flex_attention_with_sinks,
+from pith_apps.hf_checkpoint import load_hf_weights
+from pith_apps.models.gpt_oss import (GptOssConfig, GptOssExperts, GptOssForCausalLM, flex_attention_with_sinks,
                                      materialized_attention_with_sinks)
 from pith_apps.models.layers import yarn_inv_freq
+from pith_engine.parallel import Parallel
 
 PRESETS = Path(__file__).parents[2] / "packages/pith-apps/src/pith_apps/presets"
 EXPERT_WEIGHTS = ("experts.gate_up_proj", "experts.down_proj")   # [E, in, out] in transformers, [E, out, in] here
@@ -119,6 +121,16 @@ def test_mxfp4_experts_load_as_the_same_model_as_bf16(tmp_path):
     for name in filter(lambda name: name.endswith(EXPERT_WEIGHTS), bf16.state_dict()):
         expected = hf_model.get_parameter(name).float().transpose(1, 2)
         assert torch.equal(quantized.get_parameter(name), expected), name
+    # expert-parallel rank 1 of 2 reads rows 3..5 of each stacked expert tensor, from bf16 and from MXFP4
+    for directory in (bf16_dir, mxfp4_dir):
+        rank_experts = GptOssExperts(quantized.config, Parallel(ep=2, rank=1))
+
+        class RankModel:
+            def hf_views(self):
+                return rank_experts.hf_views("model.layers.1.mlp.experts")
+        load_hf_weights(RankModel(), directory)
+        for name, param in rank_experts.named_parameters():
+            assert torch.equal(param, quantized.model.layers[1].mlp.experts.get_parameter(name)[3:]), name
 
 
 def test_export_then_import_is_bit_exact_and_transformers_reproduces_our_logits(gpt_oss_dir, tmp_path):

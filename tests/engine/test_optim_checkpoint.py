@@ -16,6 +16,13 @@ def test_lr_schedule_warmup_then_cosine_to_the_floor():
     assert lr_at(500, 2.0, warmup=10, total=110, schedule="constant") == 2.0
 
 
+def test_wsd_schedule_holds_then_decays_linearly_over_the_last_fifth():
+    lrs = [lr_at(s, 1.0, warmup=10, total=100, schedule="wsd", min_ratio=0.1) for s in range(101)]
+    assert lrs[9] == pytest.approx(1.0) and lrs[80] == pytest.approx(1.0)
+    assert lrs[90] == pytest.approx(1.0 - 0.9 * 0.5) and lrs[100] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:]))
+
+
 def test_weight_decay_only_on_matrices():
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
     decay, no_decay = adamw(model, lr=1e-3, weight_decay=0.1).param_groups
@@ -49,3 +56,6 @@ def test_crash_during_save_keeps_the_previous_checkpoint_and_old_ones_are_pruned
     for step in (2, 3):
         checkpoint.save(tmp_path, step, model, optimizer, {})
     assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-00000002", "step-00000003"]   # the newest 2
+    with pytest.raises(ValueError, match=r"lacks 6 of this model's entries, e.g. \['0.weight', '0.bias', 'optimizer.0.weight.exp_avg'\]"):
+        other = torch.nn.Sequential(torch.nn.Linear(3, 2))
+        checkpoint.load(checkpoint.latest(tmp_path), other, adamw(other, lr=0.1, weight_decay=0.0))

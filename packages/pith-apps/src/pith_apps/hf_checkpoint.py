@@ -1,7 +1,8 @@
 """Hugging Face checkpoint directories (config.json + safetensors shards + index) in and out.
 
 A model says where each Hugging Face tensor lives through `model.hf_views()`: pairs of (name in the file,
-view of our parameter in the file's layout). Import copies each tensor into its view, reading one shard
+view of our parameter in the file's layout), or triples whose third item is the slice of the file
+tensor's first dimension the view holds (GPT-OSS stacks all experts in one tensor; a rank holds some). Import copies each tensor into its view, reading one shard
 at a time and only the tensors this model instance holds (a pipeline or expert-parallel rank builds only
 its layers and experts, so it reads only those). Export writes the views back out, one shard at a time.
 GPT-OSS expert weights stored as MXFP4 (`<name>_blocks` + `<name>_scales`) are decoded to the view's dtype.
@@ -48,7 +49,9 @@ def load_hf_weights(model: torch.nn.Module, model_dir: str | Path):
     """Fill every parameter of `model` from the checkpoint in model_dir, one shard file at a time."""
     model_dir = Path(model_dir)
     files = weight_map(model_dir)
-    views = dict(model.hf_views())
+    views, rows = {}, {}
+    for name, view, *part in model.hf_views():
+        views[name], rows[name] = view, part[0] if part else slice(None)
     by_file = defaultdict(list)
     for name, view in views.items():
         if name in files:
@@ -61,23 +64,26 @@ def load_hf_weights(model: torch.nn.Module, model_dir: str | Path):
         for file, names in sorted(by_file.items()):
             with safe_open(model_dir / file, "pt") as shard:
                 for name in names:
-                    tensor = shard.get_tensor(name) if name in files else read_mxfp4(model_dir, files, shard, name)
+                    if name in files:
+                        tensor = shard.get_slice(name)[rows[name]]
+                    else:
+                        tensor = read_mxfp4(model_dir, files, shard, name, rows[name])
                     if tuple(tensor.shape) != tuple(views[name].shape):
                         raise ConfigError(f"tensor '{name}' in '{model_dir / file}' has shape {tuple(tensor.shape)}; "
                                           f"the config expects {tuple(views[name].shape)}")
                     views[name].copy_(tensor)
 
 
-def read_mxfp4(model_dir: Path, files: dict, shard, name: str) -> torch.Tensor:
-    """Decode an MXFP4 expert weight to the layout of its bf16 name: the file stores [E, out, in] as
-    blocks, the bf16 tensor is [E, in, out]."""
+def read_mxfp4(model_dir: Path, files: dict, shard, name: str, experts: slice) -> torch.Tensor:
+    """Decode experts `experts` of an MXFP4 expert weight to the layout of its bf16 name: the file stores
+    [E, out, in] as blocks, the bf16 tensor is [E, in, out]."""
     scales_file = files[f"{name}_scales"]
     if scales_file == files[f"{name}_blocks"]:
-        scales = shard.get_tensor(f"{name}_scales")
+        scales = shard.get_slice(f"{name}_scales")[experts]
     else:
         with safe_open(model_dir / scales_file, "pt") as other:
-            scales = other.get_tensor(f"{name}_scales")
-    return mxfp4_decode(shard.get_tensor(f"{name}_blocks"), scales).transpose(-2, -1)
+            scales = other.get_slice(f"{name}_scales")[experts]
+    return mxfp4_decode(shard.get_slice(f"{name}_blocks")[experts], scales).transpose(-2, -1)
 
 
 def save_hf(model: torch.nn.Module, config: dict, out_dir: str | Path, dtype: torch.dtype | None = None,
@@ -85,7 +91,12 @@ def save_hf(model: torch.nn.Module, config: dict, out_dir: str | Path, dtype: to
     """Write config.json, safetensors shards of at most max_shard_bytes and their index to out_dir. The
     directory is assembled beside out_dir and renamed into place, so a crash leaves no half export."""
     out_dir = Path(out_dir)
-    views = list(model.hf_views())
+    views = []
+    for name, view, *part in model.hf_views():
+        if part and (part[0].start, part[0].stop) != (0, view.shape[0]):
+            raise ConfigError(f"'{name}': this process holds experts {part[0].start}..{part[0].stop - 1} only; "
+                              "export from a model that holds every expert (one process, --ep 1)")
+        views.append((name, view))
     shards, size = [[]], 0
     for name, view in views:
         nbytes = view.numel() * (dtype or view.dtype).itemsize

@@ -68,6 +68,8 @@ def training_state(model, optimizer) -> dict[str, torch.Tensor]:
         state.update((f"optimizer.{name}.{moment}", t) for name, t in canonical_entries(model, moments))
     state["optimizer.step"] = optimizer.state[next(iter(params.values()))]["step"]
     state["rng.cpu"] = torch.get_rng_state()
+    if torch.cuda.is_available():
+        state["rng.cuda"] = torch.cuda.get_rng_state()
     return state
 
 
@@ -122,8 +124,17 @@ def read_meta(checkpoint: str | Path) -> dict:
 def load(checkpoint: str | Path, model, optimizer) -> dict:
     """Fill model, optimizer and RNG from a checkpoint saved under any layout; returns its meta."""
     state = training_state(model, optimizer)
+    saved = dcp.FileSystemReader(checkpoint).read_metadata().state_dict_metadata
+    if "rng.cuda" not in saved:   # saved without a GPU
+        state.pop("rng.cuda", None)
+    missing = [name for name in state if name not in saved]
+    if missing:
+        raise ValueError(f"checkpoint '{checkpoint}' lacks {len(missing)} of this model's entries, e.g. "
+                         f"{missing[:3]}; it was saved from another model")
     dcp.load(state, checkpoint_id=Path(checkpoint))
     for param_state in optimizer.state.values():
         param_state["step"].copy_(state["optimizer.step"])
     torch.set_rng_state(state["rng.cpu"])
+    if "rng.cuda" in state:
+        torch.cuda.set_rng_state(state["rng.cuda"])
     return read_meta(checkpoint)

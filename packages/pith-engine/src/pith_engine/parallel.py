@@ -57,6 +57,9 @@ class Parallel:
 
     def mesh_over(self, *names: str) -> DeviceMesh:
         """The 1-d mesh of this rank's group over the named dimensions (for FSDP and DTensors)."""
+        if self.mesh is None:
+            raise LayoutError(f"{self} has no device mesh; build it with Parallel.build() inside an initialized "
+                              "process group (torchrun) to use its groups")
         sub = self.mesh[names]
         return sub._flatten("_".join(names)) if len(names) > 1 else sub
 

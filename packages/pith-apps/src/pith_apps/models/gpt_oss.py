@@ -194,11 +194,13 @@ class GptOssExperts(LocalExperts):
                                 tokens_per_expert)
 
     def hf_views(self, prefix: str):
-        """The files hold the expert weights as [E, in, out] (gate/up still interleaved): transposed views."""
-        yield f"{prefix}.gate_up_proj", self.gate_up_proj.transpose(1, 2)
-        yield f"{prefix}.gate_up_proj_bias", self.gate_up_proj_bias
-        yield f"{prefix}.down_proj", self.down_proj.transpose(1, 2)
-        yield f"{prefix}.down_proj_bias", self.down_proj_bias
+        """The files hold all experts' weights stacked as [E, in, out] (gate/up still interleaved): transposed
+        views, each with the rows of the file's expert dimension that this rank holds."""
+        rows = slice(self.first_expert, self.first_expert + self.local_experts)
+        yield f"{prefix}.gate_up_proj", self.gate_up_proj.transpose(1, 2), rows
+        yield f"{prefix}.gate_up_proj_bias", self.gate_up_proj_bias, rows
+        yield f"{prefix}.down_proj", self.down_proj.transpose(1, 2), rows
+        yield f"{prefix}.down_proj_bias", self.down_proj_bias, rows
 
 
 class GptOssSparseBlock(nn.Module):

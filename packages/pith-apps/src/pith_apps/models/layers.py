@@ -2,6 +2,7 @@
 (plain and YaRN), the stacked SwiGLU experts of Qwen3-MoE and DeepSeek-V2, and the top-level model's
 init / logits / loss / Hugging Face views. Each model file still instantiates its own layers from these;
 anything a family does differently stays in its own file."""
+import functools
 import math
 import zlib
 
@@ -102,7 +103,13 @@ class LocalExperts(nn.Module):
         super().__init__()
         self.local_experts = num_experts // parallel.ep
         self.first_expert = parallel.coords["ep"] * self.local_experts
-        self.ep_group = parallel.group("ep")
+        self.parallel = parallel
+
+    @functools.cached_property
+    def ep_group(self):
+        """The expert-parallel process group dispatch sends over (None: all experts are here); looked up on
+        first use, so that a rank's experts can be built and loaded without a process group."""
+        return self.parallel.group("ep")
 
 
 class SwiGLUExperts(LocalExperts):
