@@ -11,9 +11,11 @@ aux-free expert biases and the RNG state ride along, and meta.json holds what is
 A save writes step-N.tmp/, then rank 0 renames it to step-N/ and points the `latest` file at it (each
 rename one atomic step): a crash midway leaves the previous checkpoint untouched and `latest` naming it.
 """
+import contextlib
 import json
 import os
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -73,6 +75,14 @@ def training_state(model, optimizer) -> dict[str, torch.Tensor]:
     return state
 
 
+@contextlib.contextmanager
+def single_process_is_meant():
+    """DCP warns at every save and load without a process group that it assumes one process: we do mean it."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
 def is_writer() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
@@ -90,7 +100,8 @@ def save(directory: str | Path, step: int, model, optimizer, meta: dict) -> Path
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier()
-    dcp.save(training_state(model, optimizer), checkpoint_id=tmp)
+    with single_process_is_meant():
+        dcp.save(training_state(model, optimizer), checkpoint_id=tmp)
     if is_writer():
         write_atomic(tmp / "meta.json", json.dumps(meta | {"step": step}, indent=1))
         shutil.rmtree(final, ignore_errors=True)
@@ -131,7 +142,8 @@ def load(checkpoint: str | Path, model, optimizer) -> dict:
     if missing:
         raise ValueError(f"checkpoint '{checkpoint}' lacks {len(missing)} of this model's entries, e.g. "
                          f"{missing[:3]}; it was saved from another model")
-    dcp.load(state, checkpoint_id=Path(checkpoint))
+    with single_process_is_meant():
+        dcp.load(state, checkpoint_id=Path(checkpoint))
     for param_state in optimizer.state.values():
         param_state["step"].copy_(state["optimizer.step"])
     torch.set_rng_state(state["rng.cpu"])
