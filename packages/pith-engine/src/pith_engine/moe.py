@@ -56,8 +56,9 @@ def dispatch(tokens: torch.Tensor, routing: Routing, num_experts: int, group=Non
     slots_per_rank = count_per_expert(routing.expert_ids // local_experts, ranks)
     counts = torch.stack([pairs_per_rank, slots_per_rank], 1)
     received = torch.empty_like(counts)
-    dist.all_to_all_single(received, counts, group=group)   # the one host sync: all_to_all needs sizes
-    send_counts, recv_counts = pairs_per_rank.tolist(), received[:, 0].tolist()
+    dist.all_to_all_single(received, counts, group=group)
+    sent, got = torch.stack([counts, received]).tolist()   # the one host sync: all_to_all needs sizes
+    send_counts, recv_counts = [pairs for pairs, _ in sent], [pairs for pairs, _ in got]
     pair_slot = pair_token * ranks + pair_rank
     pair_inverse = torch.full((tokens.shape[0] * ranks,), -1, dtype=torch.int64, device=tokens.device)
     pair_inverse[pair_slot] = torch.arange(pair_slot.numel(), device=tokens.device)
@@ -65,7 +66,7 @@ def dispatch(tokens: torch.Tensor, routing: Routing, num_experts: int, group=Non
     rows = all_to_all(dispatch_tokens(tokens, pair_slot, pair_inverse, ranks), send_counts, recv_counts, group)
     row_ids = all_to_all(local_ids, send_counts, recv_counts, group)
     row_weights = all_to_all(pair_weights, send_counts, recv_counts, group)
-    order, inverse, tokens_per_expert = sort_by_expert(row_ids, local_experts, present=int(received[:, 1].sum()))
+    order, inverse, tokens_per_expert = sort_by_expert(row_ids, local_experts, present=sum(slots for _, slots in got))
     plan = DispatchPlan(order, inverse, tokens_per_expert, top_k, row_weights,
                         Exchange(group, pair_slot, pair_inverse, send_counts, recv_counts))
     return dispatch_tokens(rows, order, inverse, top_k), plan

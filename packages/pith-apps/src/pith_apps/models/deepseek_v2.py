@@ -21,9 +21,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from pith_apps.config import config_from_dict, require
-from pith_apps.models.layers import (CausalLM, RMSNorm, causal_attention, SwiGLUExperts, apply_rotary, default_inv_freq, rope_parameters,
+from pith_apps.models.layers import (CausalLM, MoeDecoderLayer, RMSNorm, causal_attention, SwiGLUExperts, apply_rotary, default_inv_freq, rope_parameters,
                                      rotary_cos_sin, yarn_inv_freq, yarn_mscale)
-from pith_engine.moe import LoadBalance, Routing, run_moe_layer
+from pith_engine.moe import LoadBalance, Routing
 from pith_engine.parallel import Parallel
 
 LATENT_NORM_EPS = 1e-6  # DeepSeek builds q_a_layernorm / kv_a_layernorm with the default eps, not rms_norm_eps
@@ -182,7 +182,7 @@ class DeepseekV2Moe(nn.Module):
         self.shared_experts = DeepseekV2MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
 
 
-class DeepseekV2DecoderLayer(nn.Module):
+class DeepseekV2DecoderLayer(MoeDecoderLayer):
     """A dense layer (the first first_k_dense_replace) runs whole through forward; an MoE layer runs as stages
     through run_moe_layer."""
 
@@ -201,7 +201,7 @@ class DeepseekV2DecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin):
         if self.is_moe:
-            return run_moe_layer(self, x, cos, sin)
+            return super().forward(x, cos, sin)
         hidden = x + self.self_attn(self.input_layernorm(x), cos, sin)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
@@ -225,9 +225,6 @@ class DeepseekV2DecoderLayer(nn.Module):
         if cfg.norm_topk_prob and self.top_k > 1:  # DeepSeek-V2 renormalizes instead of scaling
             return expert_ids, weights / (weights.sum(-1, keepdim=True) + 1e-20)
         return expert_ids, weights * cfg.routed_scaling_factor
-
-    def expert_stage(self, x, tokens_per_expert):
-        return self.mlp.experts(x, tokens_per_expert)
 
     def aggregate_stage(self, hidden, tokens, routed):
         return hidden + (routed + self.mlp.shared_experts(tokens)).view_as(hidden)

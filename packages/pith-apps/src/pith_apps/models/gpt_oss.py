@@ -18,8 +18,8 @@ from torch import nn
 from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
 
 from pith_apps.config import config_from_dict, require
-from pith_apps.models.layers import CausalLM, LocalExperts, RMSNorm, apply_rotary, rope_parameters, rotary_cos_sin, yarn_inv_freq, yarn_mscale
-from pith_engine.moe import LoadBalance, Routing, run_moe_layer
+from pith_apps.models.layers import CausalLM, MoeDecoderLayer, LocalExperts, RMSNorm, apply_rotary, rope_parameters, rotary_cos_sin, yarn_inv_freq, yarn_mscale
+from pith_engine.moe import LoadBalance, Routing
 from pith_engine.parallel import Parallel
 from pith_ops.grouped_gemm import grouped_bias_add, grouped_linear
 from pith_ops.swiglu import clamped_swiglu
@@ -210,8 +210,7 @@ class GptOssSparseBlock(nn.Module):
         self.experts = GptOssExperts(cfg, parallel)
 
 
-class GptOssDecoderLayer(nn.Module):
-    is_moe = True
+class GptOssDecoderLayer(MoeDecoderLayer):
     def __init__(self, cfg: GptOssConfig, layer_type: str, parallel: Parallel, balance: str):
         super().__init__()
         self.num_experts, self.top_k = cfg.num_local_experts, cfg.num_experts_per_tok
@@ -222,9 +221,6 @@ class GptOssDecoderLayer(nn.Module):
         self.balance = LoadBalance(cfg.num_local_experts, balance, cfg.router_aux_loss_coef, cfg.num_local_experts,
                                    parallel.group("dp", "cp", "ep"))
 
-    def forward(self, x, cos, sin):
-        return run_moe_layer(self, x, cos, sin)
-
     def attention_stage(self, x, cos, sin):
         hidden = x + self.self_attn(self.input_layernorm(x), cos, sin)
         tokens = self.post_attention_layernorm(hidden).flatten(0, 1)
@@ -233,12 +229,6 @@ class GptOssDecoderLayer(nn.Module):
         weights = torch.softmax(top_logits, dim=-1)
         hidden = self.balance.attach_loss(hidden, torch.softmax(logits, dim=-1), expert_ids, x.shape[0])
         return hidden, tokens, Routing(expert_ids, weights.to(x.dtype))
-
-    def expert_stage(self, x, tokens_per_expert):
-        return self.mlp.experts(x, tokens_per_expert)
-
-    def aggregate_stage(self, hidden, tokens, routed):
-        return hidden + routed.view_as(hidden)
 
 
 class GptOssForCausalLM(CausalLM):

@@ -14,6 +14,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from pith_ops.cross_entropy import linear_cross_entropy
 from pith_ops.grouped_gemm import grouped_linear
 from pith_ops.swiglu import swiglu
+from pith_engine.moe import run_moe_layer
 from pith_engine.parallel import Parallel
 
 
@@ -93,6 +94,23 @@ def causal_attention(q, k, v, scale: float, enable_gqa: bool = False):
     """Causal SDPA, q [batch, heads, seq, dim], k and v [batch, kv_heads, seq, dim]; never materializes scores on GPU."""
     with sdpa_kernel(SDPA_BACKENDS, set_priority=True):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa)
+
+
+class MoeDecoderLayer(nn.Module):
+    """What the families' MoE decoder layers share: forward runs the five stages through
+    pith_engine.moe.run_moe_layer (one call per layer, so FSDP's hooks see the whole layer), stage 3 is the
+    layer's experts module and stage 5 adds the routed sum to the residual. A family writes
+    attention_stage and overrides what it does differently."""
+    is_moe = True
+
+    def forward(self, x, cos, sin):
+        return run_moe_layer(self, x, cos, sin)
+
+    def expert_stage(self, x, tokens_per_expert):
+        return self.mlp.experts(x, tokens_per_expert)
+
+    def aggregate_stage(self, hidden, tokens, routed):
+        return hidden + routed.view_as(hidden)
 
 
 class LocalExperts(nn.Module):

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from pith_apps.config import config_from_dict, require
-from pith_apps.models.layers import CausalLM, RMSNorm, causal_attention, SwiGLUExperts, apply_rotary, default_inv_freq, rope_parameters, rotary_cos_sin
-from pith_engine.moe import LoadBalance, Routing, run_moe_layer
+from pith_apps.models.layers import CausalLM, MoeDecoderLayer, RMSNorm, causal_attention, SwiGLUExperts, apply_rotary, default_inv_freq, rope_parameters, rotary_cos_sin
+from pith_engine.moe import LoadBalance, Routing
 from pith_engine.parallel import Parallel
 
 
@@ -92,8 +92,7 @@ class Qwen3MoeSparseBlock(nn.Module):
         self.experts = SwiGLUExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, parallel)
 
 
-class Qwen3MoeDecoderLayer(nn.Module):
-    is_moe = True
+class Qwen3MoeDecoderLayer(MoeDecoderLayer):
     def __init__(self, cfg: Qwen3MoeConfig, parallel: Parallel, balance: str):
         super().__init__()
         self.num_experts, self.top_k, self.norm_topk_prob = cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob
@@ -104,9 +103,6 @@ class Qwen3MoeDecoderLayer(nn.Module):
         self.balance = LoadBalance(cfg.num_experts, balance, cfg.router_aux_loss_coef, cfg.num_experts,
                                    parallel.group("dp", "cp", "ep"))
 
-    def forward(self, x, cos, sin):
-        return run_moe_layer(self, x, cos, sin)
-
     def attention_stage(self, x, cos, sin):
         hidden = x + self.self_attn(self.input_layernorm(x), cos, sin)
         tokens = self.post_attention_layernorm(hidden).flatten(0, 1)
@@ -116,12 +112,6 @@ class Qwen3MoeDecoderLayer(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         hidden = self.balance.attach_loss(hidden, probs, expert_ids, x.shape[0])
         return hidden, tokens, Routing(expert_ids, weights.to(x.dtype))
-
-    def expert_stage(self, x, tokens_per_expert):
-        return self.mlp.experts(x, tokens_per_expert)
-
-    def aggregate_stage(self, hidden, tokens, routed):
-        return hidden + routed.view_as(hidden)
 
 
 class Qwen3MoeForCausalLM(CausalLM):
