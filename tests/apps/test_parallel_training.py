@@ -7,8 +7,8 @@ import torch.distributed as dist
 from conftest import relative_error
 from distributed import run_on_processes
 from pith_apps.config import read_json
-from pith_apps.train import MODELS, PRESETS
-from pith_engine.data_parallel import clip_grad_norm, shard_model
+from pith_apps.train import MODELS, PRESETS, build_model
+from pith_engine.data_parallel import clip_grad_norm
 from pith_engine.moe import update_expert_bias
 from pith_engine.parallel import Parallel
 
@@ -16,11 +16,10 @@ BATCH, SEQ = 4, 16
 
 
 def build(family, parallel, balance):
+    """The app's build: on the meta device, sharded, then each rank draws only its part of the weights."""
     config_cls, model_cls = MODELS[family]
     cfg = config_cls.from_dict(read_json(PRESETS / f"{family}_tiny.json") | {"initializer_range": 0.2})
-    model = model_cls(cfg, parallel, **({"balance": balance} if balance else {}))
-    model.init_weights(seed=3)
-    return model
+    return build_model(model_cls, cfg, parallel, torch.device("cpu"), torch.float32, seed=3, seq_len=SEQ, balance=balance)
 
 
 def global_batch(vocab):
@@ -54,7 +53,7 @@ def parallel_body(rank, world, layouts, out):
     """Every layout of this world size in one spawn: each process pays its imports once."""
     for family, dp, ep, balance in layouts:
         parallel = Parallel.build(dp=dp, ep=ep)
-        model = shard_model(build(family, parallel, balance), parallel)
+        model = build(family, parallel, balance)
         ids, labels = global_batch(model.config.vocab_size)
         share = BATCH // parallel.data_ranks
         rows = slice(parallel.data_rank * share, (parallel.data_rank + 1) * share)

@@ -51,3 +51,15 @@ def test_only_hidden_needs_gradient():
 def test_mismatched_labels_are_named():
     with pytest.raises(ValueError, match="3 hidden rows but 4 labels"):
         linear_cross_entropy(torch.randn(3, 4), torch.randn(5, 4), torch.zeros(4, dtype=torch.long))
+
+
+@pytest.mark.parametrize("use_kernel", [False, True])
+@pytest.mark.parametrize("bad", [30, 31, -1, -7])
+def test_a_label_outside_the_vocabulary_is_named(bad, use_kernel):
+    """The kernel would read past the logits row on the GPU; the call stops first and names the label."""
+    device = KERNEL_DEVICE if use_kernel else "cpu"
+    labels = torch.tensor([3, -100, 29, bad, 0], device=device)
+    with pytest.raises(ValueError, match=rf"label {bad} at position 3 is outside the vocabulary 0\.\.29; valid "
+                                         r"labels are those and ignore_index=-100"):
+        linear_cross_entropy(torch.randn(5, 8, device=device), torch.randn(30, 8, device=device), labels,
+                             use_kernel=use_kernel)

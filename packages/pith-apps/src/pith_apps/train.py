@@ -23,7 +23,6 @@ from pith_apps.data import DEFAULT_CORPUS, ByteTokenizer, batch_at, load_token_s
 from pith_apps.models.deepseek_v2 import DeepseekV2Config, DeepseekV2ForCausalLM
 from pith_apps.models.gpt_oss import GptOssConfig, GptOssForCausalLM
 from pith_apps.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
-from pith_engine import checkpoint
 from pith_engine.compile import compile_stages
 from pith_engine.data_parallel import clip_grad_norm, shard_model
 from pith_engine.moe import BALANCE_MODES, update_expert_bias
@@ -42,10 +41,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("model", help=f"model family: {', '.join(MODELS)}")
     parser.add_argument("--preset", default="tiny", help="preset config in pith_apps/presets (default: tiny)")
     parser.add_argument("--config", help="a Hugging Face config.json to use instead of the preset")
+    parser.add_argument("--layers", type=int, help="keep only the first N decoder layers of the config (experiments)")
     parser.add_argument("--data", default=str(DEFAULT_CORPUS), help="a .txt/.jsonl file or a folder of them")
     parser.add_argument("--out", help="run folder for TensorBoard logs and the checkpoint (default: runs/<model>-<preset>)")
     parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--batch-size", type=int, default=16, help="sequences per optimizer step, over all data ranks")
+    parser.add_argument("--micro-batch-size", type=int, help="sequences per forward/backward on each data rank; the "
+                        "gradients of batch-size / (micro-batch-size x data ranks) micro-batches are accumulated "
+                        "(default: one micro-batch)")
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--warmup", type=int, default=30)
@@ -54,7 +57,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", choices=DTYPES, help="parameter dtype (default: bfloat16 on CUDA, float32 on CPU)")
+    parser.add_argument("--dtype", choices=DTYPES, help="compute dtype; weights, gradients and optimizer state are "
+                        "always float32 (default: bfloat16 on CUDA, float32 on CPU)")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction,
                         help="torch.compile the dense stages (default: on for CUDA, off on CPU, where it costs minutes)")
     parser.add_argument("--balance", help="expert load balancing: " + ", ".join(BALANCE_MODES) + " (default: the "
@@ -63,7 +67,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                          ("cp", "context (validated, not built yet)")):
         parser.add_argument(f"--{dim}", type=int, default=1, help=f"{meaning}-parallel size; the product of the "
                             "four must be the number of processes")
-    parser.add_argument("--save-every", type=int, default=100, help="checkpoint every N steps and at the end")
+    parser.add_argument("--save-every", type=int, default=100, help="checkpoint every N steps and at the end; 0: never "
+                        "(a measurement, not a run to keep)")
     parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in <out>/checkpoints")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     return parser.parse_args(argv)
@@ -73,8 +78,10 @@ def check_args(args):
     require(args.model in MODELS, f"unknown model '{args.model}'; valid models: {', '.join(MODELS)}")
     require(args.schedule in SCHEDULES, f"unknown --schedule '{args.schedule}'; valid: {', '.join(SCHEDULES)}")
     require(args.balance in (None, *BALANCE_MODES), f"unknown --balance '{args.balance}'; valid: {', '.join(BALANCE_MODES)}")
-    for flag in ("steps", "batch_size", "seq_len", "save_every"):
-        require(getattr(args, flag) > 0, f"--{flag.replace('_', '-')}={getattr(args, flag)} must be a positive integer")
+    require(args.save_every >= 0, f"--save-every={args.save_every} must be >= 0 (0: no checkpoints)")
+    for flag in ("steps", "batch_size", "seq_len", "micro_batch_size", "layers"):
+        value = getattr(args, flag)
+        require(value is None or value > 0, f"--{flag.replace('_', '-')}={value} must be a positive integer")
     require(args.lr > 0 and args.clip > 0, f"--lr={args.lr} and --clip={args.clip} must be > 0")
     require(args.warmup >= 0 and args.weight_decay >= 0, "--warmup and --weight-decay must be >= 0")
     require(args.device in ("cpu", "cuda") or args.device.startswith("cuda:"),
@@ -85,12 +92,18 @@ def check_args(args):
 
 def model_config(args):
     config_cls, _ = MODELS[args.model]
-    if args.config:
-        return config_cls.from_dict(read_json(args.config))
-    path = PRESETS / f"{args.model}_{args.preset}.json"
+    path = Path(args.config or PRESETS / f"{args.model}_{args.preset}.json")
     valid = sorted(p.stem.removeprefix(f"{args.model}_") for p in PRESETS.glob(f"{args.model}_*.json"))
-    require(path.is_file(), f"unknown --preset '{args.preset}' for {args.model}; valid presets: {', '.join(valid)}")
-    return config_cls.from_dict(read_json(path))
+    require(args.config or path.is_file(), f"unknown --preset '{args.preset}' for {args.model}; valid presets: "
+            f"{', '.join(valid)}")
+    data = read_json(path)
+    if args.layers:
+        layers = data.get("num_hidden_layers")
+        require(isinstance(layers, int) and args.layers <= layers,
+                f"--layers={args.layers} must be at most the config's num_hidden_layers={layers}")
+        data |= {"num_hidden_layers": args.layers} | (
+            {"layer_types": data["layer_types"][:args.layers]} if "layer_types" in data else {})
+    return config_cls.from_dict(data)
 
 
 def train(args) -> list[float]:
@@ -131,18 +144,49 @@ def layout(args) -> tuple[Parallel, torch.device]:
     if args.batch_size % parallel.data_ranks:
         raise LayoutError(f"--batch-size={args.batch_size} cannot be split over dp x ep = {parallel.data_ranks} data "
                           f"ranks; choose a multiple of {parallel.data_ranks}")
+    share = args.batch_size // parallel.data_ranks
+    if args.micro_batch_size and share % args.micro_batch_size:
+        raise LayoutError(f"--micro-batch-size={args.micro_batch_size} does not divide the {share} sequences of each "
+                          f"data rank (--batch-size={args.batch_size} over {parallel.data_ranks} data ranks); choose a "
+                          f"divisor of {share}")
     return parallel, device
 
 
-def train_on(args, cfg, parallel: Parallel, device: torch.device, stream, out: Path) -> list[float]:
-    dtype = DTYPES[args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
-    model = MODELS[args.model][1](cfg, parallel, **({"balance": args.balance} if args.balance else {}))
-    parallel.check_model(cfg.num_hidden_layers, next(layer.num_experts for layer in model.model.layers if layer.is_moe),
-                         cfg.num_attention_heads, args.seq_len)
-    model.init_weights(args.seed)
-    # one process: weights in the compute dtype; several: fp32 master weights, FSDP computes in dtype
-    model.to(device=device, dtype=dtype if parallel.world == 1 else torch.float32)
+def build_model(model_cls, cfg, parallel: Parallel, device: torch.device, dtype: torch.dtype, seed: int,
+                seq_len: int, balance: str | None = None, micro_batches: int = 1):
+    """The model for this rank's share of the layout, computing in dtype with fp32 master weights: built on the
+    meta device, checked against the layout, sharded, then materialized on `device` and initialized there, so
+    a rank allocates only what it holds (plus one full tensor at a time while drawing it), nothing on the host."""
+    with torch.device("meta"):
+        model = model_cls(cfg, parallel, **({"balance": balance} if balance else {}), micro_batches=micro_batches)
+    moe_layers = [layer for layer in model.model.layers if layer.is_moe]
+    require(moe_layers, f"all {cfg.num_hidden_layers} layers of the model are dense, none MoE; raise --layers")
+    parallel.check_model(cfg.num_hidden_layers, moe_layers[0].num_experts, cfg.num_attention_heads, seq_len)
     shard_model(model, parallel, param_dtype=dtype)
+    model.to_empty(device=device)
+    model.init_weights(seed)
+    return model
+
+
+def micro_batch_size(args, parallel: Parallel) -> int:
+    return args.micro_batch_size or args.batch_size // parallel.data_ranks
+
+
+def micro_batches_of(args, parallel: Parallel, input_ids, labels):
+    """This rank's micro-batches of a global batch. Micro-batch j is the same rows of the global batch under
+    every layout (size x data ranks rows from row j x that), of which data rank r reads the r-th share."""
+    size = micro_batch_size(args, parallel)
+    for first in range(0, args.batch_size, size * parallel.data_ranks):
+        rows = slice(first + parallel.data_rank * size, first + (parallel.data_rank + 1) * size)
+        yield input_ids[rows], labels[rows]
+
+
+def train_on(args, cfg, parallel: Parallel, device: torch.device, stream, out: Path) -> list[float]:
+    micro_batches = args.batch_size // (micro_batch_size(args, parallel) * parallel.data_ranks)
+    from pith_engine import checkpoint  # heavy import (DCP, DTensor: ~0.8 s): only when training
+    dtype = DTYPES[args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
+    model = build_model(MODELS[args.model][1], cfg, parallel, device, dtype, args.seed, args.seq_len, args.balance,
+                        micro_batches)
     if args.compile if args.compile is not None else device.type == "cuda":
         compile_stages(model)
     optimizer = adamw(model, args.lr, args.weight_decay)
@@ -150,49 +194,64 @@ def train_on(args, cfg, parallel: Parallel, device: torch.device, stream, out: P
     lead = parallel.rank == 0
     from torch.utils.tensorboard import SummaryWriter  # heavy import: only when training
     writer = SummaryWriter(out / "tb") if lead else None
-    losses = []
+    losses, speeds = [], []
     progress = make_progress(start, args) if lead else lambda loss, tokens_per_s: None
-    share = args.batch_size // parallel.data_ranks
-    rows = slice(parallel.data_rank * share, (parallel.data_rank + 1) * share)
     for step in range(start, args.steps):
         tic = time.perf_counter()
         lr = lr_at(step, args.lr, args.warmup, args.steps, args.schedule)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        input_ids, labels = (t[rows].to(device) for t in batch_at(stream, step, args.seed, args.batch_size, args.seq_len))
-        loss = model.loss_sum(input_ids, labels) / (args.batch_size * args.seq_len)   # this rank's share of the mean
-        loss.backward()
-        grad_norm = clip_grad_norm(model.parameters(), args.clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        update_expert_bias(model)
-        loss = loss.detach()
-        if parallel.world > 1:
-            dist.all_reduce(loss, group=parallel.group("dp", "cp", "ep"))
-        loss_value = loss.item()
+        input_ids, labels = batch_at(stream, step, args.seed, args.batch_size, args.seq_len)
+        loss_value, grad_norm = train_step(args, parallel, device, model, optimizer, input_ids, labels)
         if not math.isfinite(loss_value):
             raise ConfigError(f"loss became {loss_value} at step {step}; lower --lr (now {args.lr}) or check the data")
         tokens_per_s = args.batch_size * args.seq_len / (time.perf_counter() - tic)
         losses.append(loss_value)
+        speeds.append(tokens_per_s)
         if lead:
-            for name, value in (("loss", loss_value), ("lr", lr), ("grad_norm", grad_norm.item()),
-                                ("tokens_per_s", tokens_per_s)):
+            scalars = dict(loss=loss_value, lr=lr, grad_norm=grad_norm.item(), tokens_per_s=tokens_per_s)
+            if device.type == "cuda":
+                scalars["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+            for name, value in scalars.items():
                 writer.add_scalar(f"train/{name}", value, step + 1)
         progress(loss_value, tokens_per_s)
-        if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
+        if args.save_every and ((step + 1) % args.save_every == 0 or step + 1 == args.steps):
             checkpoint.save(out / "checkpoints", step + 1, model, optimizer,
                             dict(config=dataclasses.asdict(cfg), layout=dict(dp=parallel.dp, ep=parallel.ep)))
     if lead:
         writer.close()
         if losses:
+            memory = (f", peak memory {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB"
+                      if device.type == "cuda" else "")
             print(f"trained steps {start + 1}-{args.steps}: loss {losses[0]:.3f} -> {losses[-1]:.3f} "
-                  f"(mean of last 10: {sum(losses[-10:]) / len(losses[-10:]):.3f}); "
-                  f"checkpoints {out / 'checkpoints'}, TensorBoard logs {out / 'tb'}")
+                  f"(mean of last 10: {sum(losses[-10:]) / len(losses[-10:]):.3f}), "
+                  f"{sorted(speeds)[len(speeds) // 2]:,.0f} tokens/s (median step){memory}; "
+                  f"{'checkpoints ' + str(out / 'checkpoints') + ', ' if args.save_every else ''}"
+                  f"TensorBoard logs {out / 'tb'}")
     return losses
+
+
+def train_step(args, parallel: Parallel, device, model, optimizer, input_ids, labels) -> tuple[float, torch.Tensor]:
+    """One optimizer step on a global batch, its micro-batches' gradients accumulated; returns the step's loss
+    (the same on every rank) and the gradient norm before the clip."""
+    tokens = (labels != -100).sum().item()   # of the global batch: each micro-batch's loss is its share of the mean
+    loss = torch.zeros((), device=device)
+    for ids, targets in micro_batches_of(args, parallel, input_ids, labels):
+        micro_loss = model.loss_sum(ids.to(device), targets.to(device)) / tokens
+        micro_loss.backward()
+        loss += micro_loss.detach()
+    grad_norm = clip_grad_norm(model.parameters(), args.clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    update_expert_bias(model)
+    if parallel.world > 1:
+        dist.all_reduce(loss, group=parallel.group("dp", "cp", "ep"))
+    return loss.item(), grad_norm
 
 
 def restore(out: Path, model, optimizer, cfg) -> int:
     """The step to continue from: that of the newest checkpoint in <out>/checkpoints (0 when there is none)."""
+    from pith_engine import checkpoint
     path = checkpoint.latest(out / "checkpoints")
     if path is None:
         return 0

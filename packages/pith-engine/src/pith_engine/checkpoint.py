@@ -1,12 +1,15 @@
-"""Training checkpoints: torch.distributed.checkpoint (DCP) in canonical names, resumable under any layout,
+"""Training checkpoints: torch.distributed.checkpoint (DCP) in layout-free names, resumable under any layout,
 written atomically.
 
-Every entry is named as in the Hugging Face checkpoint (model.layers.N.self_attn.q_proj.weight, ...), with
-one entry per expert ({prefix}.experts.{e}.gate_up_proj / down_proj, e the global expert id; GPT-OSS also
-its .._bias) and no parallel prefixes. Each rank hands DCP the tensors it holds, FSDP shards as DTensors,
-so DCP writes every element once and a later load under another layout reads the pieces it needs. The
-AdamW moments follow their parameters (optimizer.<name>.exp_avg / exp_avg_sq); the step counter, the
-aux-free expert biases and the RNG state ride along, and meta.json holds what is not a tensor.
+Entries carry the model's own parameter names, which outside the experts are the Hugging Face checkpoint's
+(model.layers.N.self_attn.q_proj.weight, ...). Expert stacks are split into one entry per expert under its
+global id with our stacked parameter's leaf name, model.layers.N.mlp.experts.E.gate_up_proj / down_proj
+(GPT-OSS also .._bias): neither the Hugging Face files' names nor transformers' (for those, load into a model
+and export with pith_apps.hf_checkpoint.save_hf). No name has a parallel prefix. Every tensor is fp32 (master
+weights, AdamW state). Each rank hands DCP the tensors it holds, FSDP shards as DTensors, so DCP writes every
+element once and a later load under another layout reads the pieces it needs. The AdamW moments follow their
+parameters (optimizer.<name>.exp_avg / exp_avg_sq); the step counter, the aux-free expert biases and the RNG
+state ride along, and meta.json holds what is not a tensor.
 
 A save writes step-N.tmp/, then rank 0 renames it to step-N/ and points the `latest` file at it (each
 rename one atomic step): a crash midway leaves the previous checkpoint untouched and `latest` naming it.

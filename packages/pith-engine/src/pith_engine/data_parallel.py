@@ -1,4 +1,9 @@
-"""Data parallelism with FSDP2, and the global gradient-norm clip.
+"""Mixed precision on every layout, data parallelism with FSDP2, and the global gradient-norm clip.
+
+Parameters are always fp32: the master copy the optimizer updates, with fp32 gradients and AdamW state.
+Compute runs in `param_dtype` (bf16): on several processes FSDP2 casts what it gathers; on one process
+each forward of the model reads every parameter through its cast (`ComputeCasts`), so gradients flow back
+through the cast into the fp32 `.grad`. Either way a layer computes with the same bf16 weights.
 
 Expert weights are sharded over dp x cp (expert-parallel ranks hold different experts); every other
 weight over dp x cp x ep (expert-parallel ranks read different data, so they are data-parallel for those
@@ -9,18 +14,24 @@ stage), which is what makes the clip's all-reduced sum of squares exact.
 """
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
-from torch.distributed.tensor import DTensor, Shard
 
 from pith_engine.parallel import Parallel
 
 
 def shard_model(model: torch.nn.Module, parallel: Parallel, param_dtype: torch.dtype | None = None) -> torch.nn.Module:
-    """Apply FSDP2 in place, bottom-up: each layer's experts, each decoder layer, then the root (embedding,
-    final norm, LM head). The model's layers run through their forward and the loss through loss_sum, so
-    those are the entry points whose hooks gather and free the weights. One process: nothing to do."""
+    """Make the fp32 `model` compute in param_dtype (None: in fp32) on this layout, in place. Several
+    processes: FSDP2, bottom-up: each layer's experts, each decoder layer, then the root (embedding, final norm,
+    LM head), whose forward (logits, or the loss with labels) gathers and frees the weights. One process: the
+    casts of ComputeCasts. Works on a model still on the meta device (then to_empty, then init_weights)."""
+    if any(p.dtype != torch.float32 for p in model.parameters()):
+        raise TypeError(f"shard_model takes a float32 model (the master weights), not {next(model.parameters()).dtype}; "
+                        "param_dtype sets the compute dtype")
     if parallel.world == 1:
+        if param_dtype not in (None, torch.float32):
+            ComputeCasts(param_dtype).register(model)
         return model
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard  # DTensor: ~0.7 s to import
+    from torch.distributed.tensor import Shard
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     expert_mesh, dense_mesh = parallel.mesh_over("dp", "cp"), parallel.mesh_over("dp", "cp", "ep")
     for layer in model.model.layers:
@@ -28,7 +39,6 @@ def shard_model(model: torch.nn.Module, parallel: Parallel, param_dtype: torch.d
             fully_shard(layer.mlp.experts, mesh=expert_mesh, mp_policy=policy, shard_placement_fn=lambda p: Shard(1))
         fully_shard(layer, mesh=dense_mesh, mp_policy=policy)
     fully_shard(model, mesh=dense_mesh, mp_policy=policy)
-    register_fsdp_forward_method(model, "loss_sum")
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
@@ -36,8 +46,50 @@ def shard_model(model: torch.nn.Module, parallel: Parallel, param_dtype: torch.d
     return model
 
 
+class ComputeCasts:
+    """One process's mixed precision: for the duration of each forward of the model, every fp32 parameter
+    is swapped for its cast to dtype (as torch.func.functional_call swaps tensors in). The casts are part of
+    the autograd graph, so gradients reach the fp32 parameters' .grad in fp32, and accumulate there."""
+
+    def __init__(self, dtype: torch.dtype):
+        self.dtype, self.swapped = dtype, []
+
+    def register(self, model: torch.nn.Module):
+        model.register_forward_pre_hook(self.cast)
+        model.register_forward_hook(self.restore, always_call=True)   # also when the forward raises
+
+    def cast(self, model, args):
+        for module in model.modules():
+            for name, param in module._parameters.items():
+                if param is not None and param.dtype == torch.float32:
+                    self.swapped.append((module, name, param))
+                    module._parameters[name] = param.to(self.dtype)
+
+    def restore(self, model, args, output):
+        for module, name, param in self.swapped:
+            module._parameters[name] = param
+        self.swapped.clear()
+
+
+def is_sharded(tensor: torch.Tensor) -> bool:
+    """A DTensor, which only a process group can have made: without one, DTensor is not even imported."""
+    if not dist.is_initialized():
+        return False
+    from torch.distributed.tensor import DTensor
+    return isinstance(tensor, DTensor)
+
+
 def local_part(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return tensor.to_local() if is_sharded(tensor) else tensor
+
+
+def this_ranks_part(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The part of `full` (the same on every rank) that this rank holds of `like`, a parameter FSDP may have
+    sharded; the slicing is local, nothing is sent."""
+    if not is_sharded(like):
+        return full
+    from torch.distributed.tensor import distribute_tensor
+    return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None).to_local()
 
 
 @torch.no_grad()

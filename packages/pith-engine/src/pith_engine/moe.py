@@ -101,29 +101,40 @@ BALANCE_MODES = ("global_batch", "micro_batch", "sequence", "aux_free")
 class LoadBalance(nn.Module):
     """One MoE layer's load balancing, chosen per run:
     - an aux loss coef * scale * sum_e f_e * P_e, f_e = slots routed to e / tokens and P_e = mean router
-      probability of e, over a balancing unit: the micro-batch of all data ranks together ("global_batch";
+      probability of e, over a balancing unit: a micro-batch of all data ranks together ("global_batch";
       on one process, the micro-batch), each rank's own micro-batch ("micro_batch") or each sequence
-      ("sequence"), averaged over the units; scale is num_experts (switch loss) or num_experts / top_k
-      (DeepSeek). Each rank attaches its share, so the gradients summed over data ranks are the loss's.
+      ("sequence"), averaged over all units of an optimizer step (micro_batches micro-batches of every data
+      rank); scale is num_experts (switch loss) or num_experts / top_k (DeepSeek). Each rank attaches its
+      share, so the gradients summed over data ranks and micro-batches are those of the step's loss.
     - "aux_free": no loss; a per-expert bias added to the scores steers which experts are chosen (not their
       weights) and moves by bias_rate toward the mean load after every optimizer step (DeepSeek-V3)."""
 
-    def __init__(self, num_experts: int, mode: str, coef: float, scale: float, data_group=None, bias_rate: float = 1e-3):
+    def __init__(self, num_experts: int, mode: str, coef: float, scale: float, data_group=None, bias_rate: float = 1e-3,
+                 micro_batches: int = 1):
         super().__init__()
         if mode not in BALANCE_MODES:
             raise ValueError(f"load balance mode {mode!r} is unknown; valid: {', '.join(BALANCE_MODES)}")
         self.num_experts, self.mode, self.coef, self.scale = num_experts, mode, coef, scale
-        self.data_group, self.bias_rate = data_group, bias_rate
+        self.data_group, self.bias_rate, self.micro_batches = data_group, bias_rate, micro_batches
         self.data_ranks = dist.get_world_size(data_group) if data_group is not None else 1
         self.register_buffer("expert_bias", torch.zeros(num_experts))
         self.register_buffer("expert_load", torch.zeros(num_experts), persistent=False)
 
-    def select(self, scores: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(expert_ids, their scores) of the top_k experts of each token."""
+    def _apply(self, fn, recurse=True):
+        """The buffers stay fp32 through a model.to(bfloat16): in bf16 a load count stops at 256 and a bias
+        near 0.5 no longer moves by 1e-3."""
+        super()._apply(fn, recurse)
+        self.expert_bias, self.expert_load = self.expert_bias.float(), self.expert_load.float()
+        return self
+
+    def select(self, scores: torch.Tensor, top_k: int, allowed: torch.Tensor | None = None):
+        """(expert_ids, their scores) of the top_k experts of each token, among the `allowed` ones ([tokens, E]
+        bool; None: all). A masked expert is never chosen, whatever its score or aux-free bias."""
+        candidates = scores if allowed is None else scores.masked_fill(~allowed, float("-inf"))
         if self.mode != "aux_free":
-            chosen, expert_ids = scores.topk(top_k, dim=-1)
+            chosen, expert_ids = candidates.topk(top_k, dim=-1)
             return expert_ids, chosen
-        expert_ids = (scores + self.expert_bias).topk(top_k, dim=-1).indices
+        expert_ids = (candidates + self.expert_bias).topk(top_k, dim=-1).indices
         self.expert_load += count_per_expert(expert_ids, self.num_experts)
         return expert_ids, scores.gather(-1, expert_ids)
 
@@ -134,7 +145,8 @@ class LoadBalance(nn.Module):
         return attach_aux_loss(hidden, self.coef * self.scale * self.loss_share(probs, expert_ids, sequences))
 
     def loss_share(self, probs, expert_ids, sequences: int) -> torch.Tensor:
-        """sum_e f_e * P_e of this rank's tokens, as its share of the mean over all balancing units."""
+        """sum_e f_e * P_e of this rank's tokens of one micro-batch, as its share of the mean over all balancing
+        units of the step."""
         units = sequences if self.mode == "sequence" else 1
         ids = expert_ids.reshape(units, -1)
         counts = torch.zeros(units, self.num_experts, device=probs.device).scatter_add_(
@@ -145,8 +157,8 @@ class LoadBalance(nn.Module):
             if self.data_group is not None:
                 counts = funcol.all_reduce(counts, "sum", self.data_group)
             tokens *= self.data_ranks
-            return (counts / tokens * prob_sums / tokens).sum()
-        return (counts / tokens * prob_sums / tokens).sum() / (units * self.data_ranks)
+            return (counts / tokens * prob_sums / tokens).sum() / self.micro_batches
+        return (counts / tokens * prob_sums / tokens).sum() / (units * self.data_ranks * self.micro_batches)
 
     @torch.no_grad()
     def update_bias(self):

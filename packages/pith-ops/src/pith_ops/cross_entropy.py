@@ -105,5 +105,11 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     """
     if hidden.shape[0] != labels.shape[0]:
         raise ValueError(f"linear_cross_entropy: {hidden.shape[0]} hidden rows but {labels.shape[0]} labels")
+    # one host sync; unchecked, an out-of-range label reads past its logits row on the GPU
+    outside = (labels != ignore_index) & ((labels < 0) | (labels >= weight.shape[0]))
+    if outside.any():
+        position = outside.nonzero()[0, 0].item()
+        raise ValueError(f"linear_cross_entropy: label {labels[position].item()} at position {position} is outside "
+                         f"the vocabulary 0..{weight.shape[0] - 1}; valid labels are those and ignore_index={ignore_index}")
     use_kernel = hidden.is_cuda if use_kernel is None else use_kernel
     return _LinearCrossEntropy.apply(hidden, weight, labels, ignore_index, chunk_size, use_kernel)

@@ -70,7 +70,9 @@ def _sum_slots_kernel(src_ptr, inverse_ptr, weights_ptr, out_ptr, hidden,
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for j in tl.static_range(TOP_K):
         row = tl.load(inverse_ptr + token * TOP_K + j)
-        values = tl.load(src_ptr + row * hidden + cols, mask=(cols < hidden) & (row >= 0), other=0.0).to(tl.float32)
+        # an absent slot loads nothing; a mask of (block & scalar) fails in Triton 3.9's interpreter
+        width = tl.where(row >= 0, hidden, 0)
+        values = tl.load(src_ptr + row * hidden + cols, mask=cols < width, other=0.0).to(tl.float32)
         if WEIGHTED:
             values *= tl.load(weights_ptr + token * TOP_K + j).to(tl.float32)
         acc += values

@@ -186,7 +186,7 @@ class DeepseekV2DecoderLayer(MoeDecoderLayer):
     """A dense layer (the first first_k_dense_replace) runs whole through forward; an MoE layer runs as stages
     through run_moe_layer."""
 
-    def __init__(self, cfg: DeepseekV2Config, moe: bool, parallel: Parallel, balance: str | None):
+    def __init__(self, cfg: DeepseekV2Config, moe: bool, parallel: Parallel, balance: str | None, micro_batches: int = 1):
         super().__init__()
         self.is_moe, self.num_experts, self.top_k = moe, cfg.n_routed_experts, cfg.num_experts_per_tok
         self.cfg = cfg
@@ -197,7 +197,7 @@ class DeepseekV2DecoderLayer(MoeDecoderLayer):
         if moe:   # DeepSeek's expert balance loss is the switch loss divided by top_k
             self.balance = LoadBalance(cfg.n_routed_experts, balance or ("sequence" if cfg.seq_aux else "global_batch"),
                                        cfg.aux_loss_alpha, cfg.n_routed_experts / cfg.num_experts_per_tok,
-                                       parallel.group("dp", "cp", "ep"))
+                                       parallel.group("dp", "cp", "ep"), micro_batches=micro_batches)
 
     def forward(self, x, cos, sin):
         if self.is_moe:
@@ -215,13 +215,13 @@ class DeepseekV2DecoderLayer(MoeDecoderLayer):
 
     def route(self, scores):
         """Top-k experts per token; group-limited: only among the topk_group groups whose best expert scores highest."""
-        cfg, candidates = self.cfg, scores
+        cfg, allowed = self.cfg, None
         if cfg.topk_method == "group_limited_greedy":
             groups = scores.unflatten(-1, (cfg.n_group, -1))
             best = groups.amax(-1).topk(cfg.topk_group, dim=-1).indices
             keep = torch.zeros(groups.shape[:-1], dtype=torch.bool, device=scores.device).scatter_(-1, best, True)
-            candidates = groups.masked_fill(~keep.unsqueeze(-1), 0.0).flatten(-2)
-        expert_ids, weights = self.balance.select(candidates, self.top_k)
+            allowed = keep.unsqueeze(-1).expand_as(groups).flatten(-2)
+        expert_ids, weights = self.balance.select(scores, self.top_k, allowed)
         if cfg.norm_topk_prob and self.top_k > 1:  # DeepSeek-V2 renormalizes instead of scaling
             return expert_ids, weights / (weights.sum(-1, keepdim=True) + 1e-20)
         return expert_ids, weights * cfg.routed_scaling_factor
@@ -231,9 +231,11 @@ class DeepseekV2DecoderLayer(MoeDecoderLayer):
 
 
 class DeepseekV2ForCausalLM(CausalLM):
-    def __init__(self, cfg: DeepseekV2Config, parallel: Parallel = Parallel(), balance: str | None = None):
-        """balance None: DeepSeek's own choice, a sequence-level loss when cfg.seq_aux, else global_batch."""
-        super().__init__(cfg, (DeepseekV2DecoderLayer(cfg, n >= cfg.first_k_dense_replace, parallel, balance)
+    def __init__(self, cfg: DeepseekV2Config, parallel: Parallel = Parallel(), balance: str | None = None,
+                 micro_batches: int = 1):
+        """balance None: DeepSeek's own choice, a sequence-level loss when cfg.seq_aux, else global_batch.
+        micro_batches: per data rank per optimizer step, which the aux losses are averaged over."""
+        super().__init__(cfg, (DeepseekV2DecoderLayer(cfg, n >= cfg.first_k_dense_replace, parallel, balance, micro_batches)
                                for n in range(cfg.num_hidden_layers)), RMSNorm(cfg.hidden_size, cfg.rms_norm_eps))
 
     def hidden_states(self, input_ids):

@@ -25,8 +25,6 @@ from pith_ops.grouped_gemm import grouped_bias_add, grouped_linear
 from pith_ops.swiglu import clamped_swiglu
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
-# flex_attention is only fast compiled; torch.compile is lazy, so this costs nothing until a CUDA call
-compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
 # what transformers' GptOssConfig uses when a config.json names no rope settings at all
 DEFAULT_YARN = dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
                     original_max_position_embeddings=4096)
@@ -136,6 +134,13 @@ def materialized_attention_with_sinks(q, k, v, sinks, window: int | None, scale:
     return (probs.to(v.dtype) @ v.unsqueeze(2)).flatten(1, 2)
 
 
+@functools.cache
+def compiled_flex_attention():
+    """flex_attention is only fast compiled. Compiled on first use, not at import: merely calling
+    torch.compile imports dynamo and inductor, seconds that every command would pay."""
+    return torch.compile(flex_attention, dynamic=False)
+
+
 @functools.lru_cache(maxsize=16)
 def window_block_mask(seq: int, window: int | None, device: str):
     def visible(batch, head, q_index, kv_index):
@@ -144,9 +149,11 @@ def window_block_mask(seq: int, window: int | None, device: str):
     return create_block_mask(visible, None, None, seq, seq, device=device)
 
 
-def flex_attention_with_sinks(q, k, v, sinks, window: int | None, scale: float, attend=compiled_flex_attention):
+def flex_attention_with_sinks(q, k, v, sinks, window: int | None, scale: float, attend=None):
     """A softmax with one more column s: out * Z / (Z + e^s) = out * sigmoid(lse - s), lse = log Z.
-    attend: the flex_attention to call (compiled by default; tests pass the eager one on CPU)."""
+    attend: the flex_attention to call (by default compiled, or as is inside a compiled stage, whose graph
+    then compiles it; tests pass the eager one on CPU)."""
+    attend = attend or (flex_attention if torch.compiler.is_compiling() else compiled_flex_attention())
     out, aux = attend(q, k, v, block_mask=window_block_mask(q.shape[2], window, str(q.device)),
                       scale=scale, enable_gqa=True, return_aux=AuxRequest(lse=True))
     return out * torch.sigmoid(aux.lse - sinks.float()[None, :, None]).unsqueeze(-1).to(out.dtype)
@@ -211,7 +218,7 @@ class GptOssSparseBlock(nn.Module):
 
 
 class GptOssDecoderLayer(MoeDecoderLayer):
-    def __init__(self, cfg: GptOssConfig, layer_type: str, parallel: Parallel, balance: str):
+    def __init__(self, cfg: GptOssConfig, layer_type: str, parallel: Parallel, balance: str, micro_batches: int = 1):
         super().__init__()
         self.num_experts, self.top_k = cfg.num_local_experts, cfg.num_experts_per_tok
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, scale_in_fp32=True)
@@ -219,7 +226,7 @@ class GptOssDecoderLayer(MoeDecoderLayer):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, scale_in_fp32=True)
         self.mlp = GptOssSparseBlock(cfg, parallel)
         self.balance = LoadBalance(cfg.num_local_experts, balance, cfg.router_aux_loss_coef, cfg.num_local_experts,
-                                   parallel.group("dp", "cp", "ep"))
+                                   parallel.group("dp", "cp", "ep"), micro_batches=micro_batches)
 
     def attention_stage(self, x, cos, sin):
         hidden = x + self.self_attn(self.input_layernorm(x), cos, sin)
@@ -232,8 +239,11 @@ class GptOssDecoderLayer(MoeDecoderLayer):
 
 
 class GptOssForCausalLM(CausalLM):
-    def __init__(self, cfg: GptOssConfig, parallel: Parallel = Parallel(), balance: str = "global_batch"):
-        super().__init__(cfg, (GptOssDecoderLayer(cfg, layer_type, parallel, balance) for layer_type in cfg.layer_types),
+    def __init__(self, cfg: GptOssConfig, parallel: Parallel = Parallel(), balance: str = "global_batch",
+                 micro_batches: int = 1):
+        """micro_batches: per data rank per optimizer step, which the aux losses are averaged over."""
+        super().__init__(cfg, (GptOssDecoderLayer(cfg, layer_type, parallel, balance, micro_batches)
+                               for layer_type in cfg.layer_types),
                          RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, scale_in_fp32=True))
 
     def hidden_states(self, input_ids):

@@ -14,6 +14,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from pith_ops.cross_entropy import linear_cross_entropy
 from pith_ops.grouped_gemm import grouped_linear
 from pith_ops.swiglu import swiglu
+from pith_engine.data_parallel import local_part, this_ranks_part
 from pith_engine.moe import run_moe_layer
 from pith_engine.parallel import Parallel
 
@@ -168,31 +169,39 @@ class CausalLM(nn.Module):
     @torch.no_grad()
     def init_weights(self, seed: int):
         """Norm weights 1, biases 0 (the router's drawn like weights), everything else normal(0, initializer_range),
-        each tensor (each expert of a stack) drawn from its own seed and name, so that every parallel layout
-        starts from the same weights."""
-        def draw(key: str, shape):
-            generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
-            return torch.randn(shape, generator=generator) * self.config.initializer_range
+        each tensor (each expert of a stack) drawn on the parameter's device from its own seed and name, so that
+        every parallel layout starts from the same weights; a rank keeps only its part of each. Buffers (the
+        load-balancing state) start at 0. For a model built on the meta device, call after to_empty."""
+        def draw(key: str, shape, device):
+            generator = torch.Generator(device).manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
+            return torch.randn(shape, generator=generator, device=device) * self.config.initializer_range
 
         for name, param in self.named_parameters():
             if name.endswith("norm.weight"):
-                param.fill_(1.0)
+                local_part(param).fill_(1.0)
             elif name.endswith("bias") and ".router." not in name:
-                param.zero_()
+                local_part(param).zero_()
             elif ".mlp.experts." in name:
                 experts = self.get_submodule(name.rsplit(".", 1)[0])
-                for e in range(param.shape[0]):
-                    param[e].copy_(draw(f"{name}.{experts.first_expert + e}", param.shape[1:]))
+                full = torch.stack([draw(f"{name}.{experts.first_expert + e}", param.shape[1:], param.device)
+                                    for e in range(param.shape[0])])
+                local_part(param).copy_(this_ranks_part(full, param))
             else:
-                param.copy_(draw(name, param.shape))
+                local_part(param).copy_(this_ranks_part(draw(name, param.shape, param.device), param))
+        for buffer in self.buffers():
+            buffer.zero_()
 
-    def forward(self, input_ids):
-        return self.lm_head(self.hidden_states(input_ids))
+    def forward(self, input_ids, labels=None):
+        """Logits [batch, seq, vocab]; with labels, the token-summed fp32 cross-entropy over labels != -100,
+        without materializing the logits (the caller divides once by the token count). One entry point, so
+        that mixed precision and FSDP wrap both."""
+        hidden = self.hidden_states(input_ids)
+        if labels is None:
+            return self.lm_head(hidden)
+        return linear_cross_entropy(hidden.flatten(0, 1), self.lm_head.weight, labels.flatten())
 
     def loss_sum(self, input_ids, labels):
-        """Token-summed fp32 cross-entropy over labels != -100, without materializing the logits; the caller
-        divides once by the token count."""
-        return linear_cross_entropy(self.hidden_states(input_ids).flatten(0, 1), self.lm_head.weight, labels.flatten())
+        return self(input_ids, labels)
 
     def hf_views(self):
         """(Hugging Face tensor name, view of the parameter holding it): import copies into the views, export

@@ -93,7 +93,7 @@ class Qwen3MoeSparseBlock(nn.Module):
 
 
 class Qwen3MoeDecoderLayer(MoeDecoderLayer):
-    def __init__(self, cfg: Qwen3MoeConfig, parallel: Parallel, balance: str):
+    def __init__(self, cfg: Qwen3MoeConfig, parallel: Parallel, balance: str, micro_batches: int = 1):
         super().__init__()
         self.num_experts, self.top_k, self.norm_topk_prob = cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -101,7 +101,7 @@ class Qwen3MoeDecoderLayer(MoeDecoderLayer):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = Qwen3MoeSparseBlock(cfg, parallel)
         self.balance = LoadBalance(cfg.num_experts, balance, cfg.router_aux_loss_coef, cfg.num_experts,
-                                   parallel.group("dp", "cp", "ep"))
+                                   parallel.group("dp", "cp", "ep"), micro_batches=micro_batches)
 
     def attention_stage(self, x, cos, sin):
         hidden = x + self.self_attn(self.input_layernorm(x), cos, sin)
@@ -115,8 +115,11 @@ class Qwen3MoeDecoderLayer(MoeDecoderLayer):
 
 
 class Qwen3MoeForCausalLM(CausalLM):
-    def __init__(self, cfg: Qwen3MoeConfig, parallel: Parallel = Parallel(), balance: str = "global_batch"):
-        super().__init__(cfg, (Qwen3MoeDecoderLayer(cfg, parallel, balance) for _ in range(cfg.num_hidden_layers)),
+    def __init__(self, cfg: Qwen3MoeConfig, parallel: Parallel = Parallel(), balance: str = "global_batch",
+                 micro_batches: int = 1):
+        """micro_batches: per data rank per optimizer step, which the aux losses are averaged over."""
+        super().__init__(cfg, (Qwen3MoeDecoderLayer(cfg, parallel, balance, micro_batches)
+                               for _ in range(cfg.num_hidden_layers)),
                          RMSNorm(cfg.hidden_size, cfg.rms_norm_eps))
 
     def hidden_states(self, input_ids):

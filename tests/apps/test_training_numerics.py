@@ -1,0 +1,158 @@
+"""What a real run needs to train correctly: mixed precision (fp32 master weights, bf16 compute) on one
+process, gradient accumulation that gives the gradient of the whole step with the aux losses on, aux-free
+balancing that never picks a masked expert and keeps its fp32 state."""
+import copy
+
+import pytest
+import torch
+
+from conftest import relative_error
+from pith_apps.config import read_json
+from pith_apps.models.deepseek_v2 import DeepseekV2Config, DeepseekV2ForCausalLM
+from pith_apps.train import MODELS, PRESETS
+from pith_engine.data_parallel import shard_model
+from pith_engine.moe import LoadBalance
+from pith_engine.optim import adamw
+from pith_engine.parallel import Parallel
+
+BATCH, SEQ = 4, 16
+
+
+def tiny(family, balance=None, micro_batches=1, **overrides):
+    config_cls, model_cls = MODELS[family]
+    cfg = config_cls.from_dict(read_json(PRESETS / f"{family}_tiny.json") | {"initializer_range": 0.2} | overrides)
+    model = model_cls(cfg, Parallel(), **({"balance": balance} if balance else {}), micro_batches=micro_batches)
+    model.init_weights(seed=1)
+    return model
+
+
+def batch(vocab, rows=BATCH, seed=5):
+    ids = torch.randint(0, vocab, (rows, SEQ + 1), generator=torch.Generator().manual_seed(seed))
+    return ids[:, :-1], ids[:, 1:]
+
+
+def gradients(model):
+    return {name: param.grad.clone() for name, param in model.named_parameters()}
+
+
+@pytest.mark.parametrize("family", list(MODELS))
+def test_one_process_computes_in_bf16_with_fp32_master_weights_and_gradients(family):
+    """The same forward and backward as the model cast to bf16, bit for bit, but weights and gradients stay fp32,
+    so an update far below half a bf16 step of the weight still lands."""
+    mixed = tiny(family)
+    pure = copy.deepcopy(mixed).to(torch.bfloat16)
+    shard_model(mixed, Parallel(), param_dtype=torch.bfloat16)
+    ids, labels = batch(mixed.config.vocab_size)
+    losses = [model.loss_sum(ids, labels) / labels.numel() for model in (mixed, pure)]
+    for loss in losses:
+        loss.backward()
+    assert losses[0].item() == losses[1].item()
+    for (name, master), low in zip(mixed.named_parameters(), pure.parameters()):
+        assert master.dtype == master.grad.dtype == torch.float32, name
+        assert torch.equal(master.grad, low.grad.float()), name
+    before = [p.detach().clone() for p in mixed.parameters()]
+    optimizer = adamw(mixed, lr=1e-5, weight_decay=0.0)   # 1e-5: ~1/400 of a bf16 step at 0.2
+    optimizer.step()
+    for (name, param), old in zip(mixed.named_parameters(), before):
+        # Adam's first step moves an element by lr * |g| / (|g| + eps), lr where |g| > 1e-6; 2.5e-7: fp32 rounding
+        # of weights up to ~2 (in bf16 the move would be 0 or a whole bf16 step, >= 1e-3 there)
+        moved = (param.detach() - old).abs()[param.grad.abs() > 1e-6]
+        assert moved.numel() == 0 or (moved - 1e-5).abs().max().item() < 2.5e-7, name
+
+
+def test_one_process_mixed_precision_restores_the_master_weights_after_a_failed_forward():
+    model = tiny("qwen3")
+    shard_model(model, Parallel(), param_dtype=torch.bfloat16)
+    with pytest.raises(IndexError):
+        model.loss_sum(torch.full((1, 4), 10_000), torch.zeros(1, 4, dtype=torch.long))   # token id out of range
+    assert all(isinstance(p, torch.nn.Parameter) and p.dtype == torch.float32 for p in model.parameters())
+
+
+def reference_aux(records, mode, units_per_sequence_rows, coef, scale):
+    """The step's aux loss from each layer's router probabilities, written out: coef * scale * sum_e f_e P_e
+    averaged over the balancing units (each sequence, or each micro-batch's rows)."""
+    total = 0
+    for probs, expert_ids in records:
+        per_unit = SEQ if mode == "sequence" else SEQ * units_per_sequence_rows
+        unit_losses = []
+        for start in range(0, probs.shape[0], per_unit):
+            p, ids = probs[start:start + per_unit], expert_ids[start:start + per_unit]
+            f = torch.zeros(probs.shape[1]).scatter_add_(0, ids.flatten(), torch.ones(ids.numel())) / per_unit
+            unit_losses.append((f * p.mean(0)).sum())
+        total = total + coef * scale * torch.stack(unit_losses).mean()
+    return total
+
+
+@pytest.mark.parametrize("family,mode", [("qwen3", "global_batch"), ("qwen3", "micro_batch"), ("qwen3", "sequence"),
+                                         ("deepseek_v2", "sequence"), ("gpt_oss", "global_batch")])
+def test_accumulated_micro_batches_give_the_gradient_of_the_whole_step(family, mode):
+    """k = 2 micro-batches, each loss / all tokens of the step, against one backward of the whole batch with
+    the step's loss written out: cross-entropy mean plus, per MoE layer, the aux loss averaged over the step's
+    units. float32; only summation order differs: 1e-5."""
+    micro = 2
+    model = tiny(family, mode, micro_batches=micro)
+    reference = copy.deepcopy(model)
+    ids, labels = batch(model.config.vocab_size)
+    rows = BATCH // micro
+    for start in range(0, BATCH, rows):
+        (model.loss_sum(ids[start:start + rows], labels[start:start + rows]) / labels.numel()).backward()
+
+    records = []
+    for layer in reference.model.layers:
+        if layer.is_moe:
+            balance = layer.balance
+            balance.attach_loss = lambda hidden, probs, expert_ids, sequences: records.append((probs, expert_ids)) or hidden
+    ce = reference.loss_sum(ids, labels) / labels.numel()
+    (ce + reference_aux(records, mode, rows, balance.coef, balance.scale)).backward()
+    assert records and balance.coef > 0
+    expected = gradients(reference)
+    for name, grad in gradients(model).items():
+        assert relative_error(grad, expected[name]) < 1e-5, name
+
+
+def test_sequence_balancing_is_the_same_for_any_split_of_the_step():
+    """With one balancing unit per sequence the step's loss does not depend on the split: 4 micro-batches of
+    one sequence give the gradient of one batch of four, the aux loss included (1e-5, float32)."""
+    whole = tiny("qwen3", "sequence")
+    split = tiny("qwen3", "sequence", micro_batches=BATCH)
+    ids, labels = batch(whole.config.vocab_size)
+    (whole.loss_sum(ids, labels) / labels.numel()).backward()
+    for row in range(BATCH):
+        (split.loss_sum(ids[row:row + 1], labels[row:row + 1]) / labels.numel()).backward()
+    expected = gradients(whole)
+    for name, grad in gradients(split).items():
+        assert relative_error(grad, expected[name]) < 1e-5, name
+
+
+def group_limited_config():
+    data = read_json(PRESETS / "deepseek_v2_tiny.json")
+    return DeepseekV2Config.from_dict(data | {"topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2,
+                                              "n_routed_experts": 8, "num_experts_per_tok": 2})
+
+
+def test_aux_free_bias_never_routes_to_an_expert_of_a_masked_group():
+    model = DeepseekV2ForCausalLM(group_limited_config(), balance="aux_free")
+    layer = next(layer for layer in model.model.layers if layer.is_moe)
+    scores = torch.softmax(torch.randn(512, 8, generator=torch.Generator().manual_seed(0)), dim=-1)
+    layer.balance.expert_bias.copy_(torch.tensor([5.0, 5.0, 0, 0, 0, 0, 0, 0]))   # group 0 made most attractive
+    expert_ids, weights = layer.route(scores)
+    best_groups = scores.view(512, 4, 2).amax(-1).topk(2, dim=-1).indices            # the allowed groups
+    assert (expert_ids // 2 == best_groups[:, :1]).logical_or(expert_ids // 2 == best_groups[:, 1:]).all()
+    assert (expert_ids < 2).any()   # where group 0 is allowed, the bias does pick it
+    assert torch.equal(weights, scores.gather(1, expert_ids) * model.config.routed_scaling_factor)
+
+
+def test_aux_free_bias_moves_by_exactly_bias_rate_every_step_in_a_long_run():
+    """Even after a cast of the model to bf16 the balancing state stays fp32: the load counts past 256, and over
+    1,000 steps the overloaded expert's bias falls by bias_rate each step and the others' rise (in bf16 a bias
+    stalls at 0.5, where half a bf16 step exceeds 1e-3). fp32 rounding over 1,000 adds: 1e-5."""
+    balance = torch.nn.Sequential(LoadBalance(4, "aux_free", coef=0.0, scale=4, bias_rate=1e-3)).to(torch.bfloat16)[0]
+    scores = torch.tensor([[5.0, 0.0, 0.0, 0.0]] * 300)   # expert 0 wins every token while 5 - bias gap > 0
+    for step in range(1, 1001):
+        balance.select(scores, 1)
+        assert balance.expert_load.tolist() == [300, 0, 0, 0]
+        balance.update_bias()
+        if step % 100 == 0:
+            expected = torch.tensor([-1.0, 1.0, 1.0, 1.0]) * 1e-3 * step
+            assert (balance.expert_bias - expected).abs().max().item() < 1e-5, step
+    assert balance.expert_bias.dtype == balance.expert_load.dtype == torch.float32
