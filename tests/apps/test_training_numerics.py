@@ -11,7 +11,7 @@ from pith_apps.config import read_json
 from pith_apps.models.deepseek_v2 import DeepseekV2Config, DeepseekV2ForCausalLM
 from pith_apps.train import MODELS, PRESETS
 from pith_engine.data_parallel import shard_model
-from pith_engine.moe import LoadBalance
+from pith_engine.moe import LoadBalance, update_expert_bias
 from pith_engine.optim import adamw
 from pith_engine.parallel import Parallel
 
@@ -68,12 +68,12 @@ def test_one_process_mixed_precision_restores_the_master_weights_after_a_failed_
     assert all(isinstance(p, torch.nn.Parameter) and p.dtype == torch.float32 for p in model.parameters())
 
 
-def reference_aux(records, mode, units_per_sequence_rows, coef, scale):
+def reference_aux(records, mode, rows_per_micro_batch, coef, scale):
     """The step's aux loss from each layer's router probabilities, written out: coef * scale * sum_e f_e P_e
     averaged over the balancing units (each sequence, or each micro-batch's rows)."""
     total = 0
     for probs, expert_ids in records:
-        per_unit = SEQ if mode == "sequence" else SEQ * units_per_sequence_rows
+        per_unit = SEQ if mode == "sequence" else SEQ * rows_per_micro_batch
         unit_losses = []
         for start in range(0, probs.shape[0], per_unit):
             p, ids = probs[start:start + per_unit], expert_ids[start:start + per_unit]
@@ -122,6 +122,24 @@ def test_sequence_balancing_is_the_same_for_any_split_of_the_step():
     expected = gradients(whole)
     for name, grad in gradients(split).items():
         assert relative_error(grad, expected[name]) < 1e-5, name
+
+
+def test_aux_free_counts_every_micro_batch_of_the_step():
+    """aux_free attaches no loss: 4 micro-batches of one sequence give the one-batch gradient (1e-5, float32)
+    and, as their loads add up before the step's bias update, exactly the one-batch biases."""
+    whole = tiny("deepseek_v2", "aux_free")
+    split = tiny("deepseek_v2", "aux_free", micro_batches=BATCH)
+    ids, labels = batch(whole.config.vocab_size)
+    (whole.loss_sum(ids, labels) / labels.numel()).backward()
+    for row in range(BATCH):
+        (split.loss_sum(ids[row:row + 1], labels[row:row + 1]) / labels.numel()).backward()
+    expected = gradients(whole)
+    for name, grad in gradients(split).items():
+        assert relative_error(grad, expected[name]) < 1e-5, name
+    update_expert_bias(whole)
+    update_expert_bias(split)
+    biases = [[b for n, b in model.named_buffers() if n.endswith("expert_bias")] for model in (whole, split)]
+    assert all(torch.equal(a, b) and a.abs().sum() > 0 for a, b in zip(*biases))
 
 
 def group_limited_config():
