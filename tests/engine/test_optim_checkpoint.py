@@ -43,14 +43,15 @@ def test_crash_during_save_keeps_the_previous_checkpoint_and_old_ones_are_pruned
         raise OSError("disk full")
     with monkeypatch.context() as patch:
         patch.setattr(checkpoint.dcp, "save", dies_halfway)
-        with pytest.raises(OSError):
+        with pytest.raises(checkpoint.CheckpointError, match=r"could not write checkpoint '.*step-00000002' \(OSError: "
+                           r"disk full; [0-9.]+ GB free there\); the last good checkpoint is '.*step-00000001'"):
             checkpoint.save(tmp_path, 2, model, optimizer, {})
     with torch.no_grad():
         for p in model.parameters():
             p.zero_()
     assert checkpoint.latest(tmp_path).name == "step-00000001"
     meta = checkpoint.load(checkpoint.latest(tmp_path), model, optimizer)
-    assert meta == {"note": "first", "step": 1}
+    assert meta["note"] == "first" and meta["step"] == 1 and set(meta["files"]) == {".metadata", "__0_0.distcp"}
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), saved))
     assert all(state["step"].item() == 1 for state in optimizer.state.values())
     for step in (2, 3):
@@ -59,3 +60,52 @@ def test_crash_during_save_keeps_the_previous_checkpoint_and_old_ones_are_pruned
     with pytest.raises(ValueError, match=r"lacks 6 of this model's entries, e.g. \['0.weight', '0.bias', 'optimizer.0.weight.exp_avg'\]"):
         other = torch.nn.Sequential(torch.nn.Linear(3, 2))
         checkpoint.load(checkpoint.latest(tmp_path), other, adamw(other, lr=0.1, weight_decay=0.0))
+
+
+def saved_linear(tmp_path, steps, run):
+    model = torch.nn.Linear(3, 2)
+    optimizer = adamw(model, lr=0.1, weight_decay=0.0)
+    for step in steps:
+        checkpoint.save(tmp_path, step, model, optimizer, {"run": run})
+    return model, optimizer
+
+
+def test_pruning_keeps_the_most_recent_of_this_run_and_never_another_runs(tmp_path):
+    """Recency, not step number: a run that went back to step 10 keeps 60 and 20 (its newest two saves)."""
+    saved_linear(tmp_path, [50], run="other")
+    saved_linear(tmp_path, [10, 40, 60, 20], run="mine")
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-00000020", "step-00000050", "step-00000060"]
+    assert checkpoint.latest(tmp_path).name == "step-00000020"
+
+
+@pytest.mark.parametrize("harm,named", [
+    ("truncate", r"damaged: its file __0_0.distcp has \d+ bytes, not \d+"),
+    ("delete", r"damaged: its file __0_0.distcp is missing"),
+    ("garble", r"damaged: its file __0_0.distcp does not match its checksum"),
+    ("meta", r"incomplete or damaged: its meta.json cannot be read \(JSONDecodeError: "),
+])
+def test_a_damaged_checkpoint_is_named_and_the_newest_good_one_found(tmp_path, harm, named):
+    model, optimizer = saved_linear(tmp_path, [1, 2], run="mine")
+    newest = tmp_path / "step-00000002"
+    data = newest / "__0_0.distcp"
+    if harm == "truncate":
+        data.write_bytes(data.read_bytes()[:-7])
+    elif harm == "delete":
+        data.unlink()
+    elif harm == "garble":   # same size, finite bytes changed in the middle
+        raw = bytearray(data.read_bytes())
+        raw[len(raw) // 2] ^= 0x10
+        data.write_bytes(bytes(raw))
+    else:
+        (newest / "meta.json").write_text('{"step": 2, "files": ')
+    with pytest.raises(checkpoint.CheckpointError, match=rf"checkpoint '{newest}' is {named}"):
+        checkpoint.load(newest, model, optimizer)
+    assert checkpoint.newest_good(tmp_path) == tmp_path / "step-00000001"
+    assert checkpoint.load(checkpoint.newest_good(tmp_path), model, optimizer)["step"] == 1
+
+
+def test_a_latest_file_that_names_no_checkpoint_is_an_error(tmp_path):
+    saved_linear(tmp_path, [1], run="mine")
+    (tmp_path / "latest").write_bytes(b"\x00\xffgarbage")
+    with pytest.raises(checkpoint.CheckpointError, match=r"latest' names '.*', not a checkpoint folder"):
+        checkpoint.latest(tmp_path)

@@ -5,6 +5,7 @@ them). Documents are tokenized, joined with an end-of-document token into one st
 is a set of windows of that stream at offsets drawn from (seed, step): the sample order is a pure
 function of them, so a resumed run sees exactly the batches an uninterrupted run would have.
 """
+import json
 from pathlib import Path
 
 import torch
@@ -45,16 +46,48 @@ def load_token_stream(path: str | Path, tokenizer) -> torch.Tensor:
     import datasets  # heavy import: only when data is actually loaded
 
     builder, files = data_files(path)
+    if all(Path(file).stat().st_size == 0 for file in files):
+        raise ConfigError(f"dataset '{path}' holds no text (its files are empty)")
     datasets.disable_progress_bars()
-    dataset = datasets.load_dataset(builder, data_files=files, split="train")
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)   # its reading errors reach the user as our one line
+    try:
+        dataset = datasets.load_dataset(builder, data_files=files, split="train")
+    except Exception as err:   # datasets wraps every reading problem in its own exception types
+        raise ConfigError(f"dataset '{path}' could not be read: {first_bad_line(builder, files) or root_cause(err)}") from None
     if "text" not in dataset.column_names:
         raise ConfigError(f"dataset '{path}' has columns {dataset.column_names}; a 'text' column is needed")
     stream = []
-    for text in dataset["text"]:
+    for row, text in enumerate(dataset["text"]):
+        if text is not None and not isinstance(text, str):
+            raise ConfigError(f"dataset '{path}' has a 'text' of type {type(text).__name__} in row {row + 1}; every "
+                              "'text' must be a string")
         if text:
             stream.extend(tokenizer.encode(text))
             stream.append(tokenizer.eos_id)
+    if not stream:
+        raise ConfigError(f"dataset '{path}' holds no text")
     return torch.tensor(stream, dtype=torch.int64)
+
+
+def first_bad_line(builder: str, files: list[str]) -> str | None:
+    """The first line of the files that is not UTF-8 (or, for JSON lines, not a JSON object), as 'file line N:
+    why'; None when every line reads."""
+    for file in files:
+        with open(file, "rb") as f:
+            for number, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8")
+                    if builder == "json" and line.strip():
+                        json.loads(line)
+                except ValueError as err:   # UnicodeDecodeError and JSONDecodeError are ValueErrors
+                    return f"{Path(file).name} line {number}: {err}"
+    return None
+
+
+def root_cause(err: BaseException) -> str:
+    while err.__cause__ or err.__context__:
+        err = err.__cause__ or err.__context__
+    return f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
 
 
 def batch_at(stream: torch.Tensor, step: int, seed: int, batch_size: int, seq_len: int):

@@ -11,7 +11,9 @@ import dataclasses
 import json
 import math
 import os
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -24,7 +26,7 @@ from pith_apps.models.deepseek_v2 import DeepseekV2Config, DeepseekV2ForCausalLM
 from pith_apps.models.gpt_oss import GptOssConfig, GptOssForCausalLM
 from pith_apps.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from pith_engine.compile import compile_stages
-from pith_engine.data_parallel import clip_grad_norm, shard_model
+from pith_engine.data_parallel import clip_grad_norm, local_part, shard_model
 from pith_engine.moe import BALANCE_MODES, update_expert_bias
 from pith_engine.optim import SCHEDULES, adamw, lr_at
 from pith_engine.parallel import LayoutError, Parallel
@@ -70,6 +72,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--save-every", type=int, default=100, help="checkpoint every N steps and at the end; 0: never "
                         "(a measurement, not a run to keep)")
     parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in <out>/checkpoints")
+    parser.add_argument("--resume-from", metavar="STEP|PATH", help="continue from the checkpoint of that step in "
+                        "<out>/checkpoints, or from a checkpoint folder")
+    parser.add_argument("--overwrite", action="store_true", help="replace the run that <out> holds (its checkpoints "
+                        "and TensorBoard logs are deleted)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     return parser.parse_args(argv)
 
@@ -79,6 +85,8 @@ def check_args(args):
     require(args.schedule in SCHEDULES, f"unknown --schedule '{args.schedule}'; valid: {', '.join(SCHEDULES)}")
     require(args.balance in (None, *BALANCE_MODES), f"unknown --balance '{args.balance}'; valid: {', '.join(BALANCE_MODES)}")
     require(args.save_every >= 0, f"--save-every={args.save_every} must be >= 0 (0: no checkpoints)")
+    require(not (args.overwrite and (args.resume or args.resume_from)),
+            "--overwrite starts the run over; it cannot go with --resume or --resume-from")
     for flag in ("steps", "batch_size", "seq_len", "micro_batch_size", "layers"):
         value = getattr(args, flag)
         require(value is None or value > 0, f"--{flag.replace('_', '-')}={value} must be a positive integer")
@@ -113,14 +121,40 @@ def train(args) -> list[float]:
     tokenizer = ByteTokenizer()
     require(cfg.vocab_size >= tokenizer.vocab_size,
             f"config vocab_size={cfg.vocab_size} is smaller than the byte tokenizer's {tokenizer.vocab_size}")
-    out = Path(args.out or f"runs/{args.model}-{args.preset}")
     stream = load_token_stream(args.data, tokenizer)
     joined = join_processes(args)
+    from pith_apps.run_folder import RunFolder   # heavy import (DCP, DTensor: ~0.8 s): only when training
+    folder = RunFolder(args.out or f"runs/{args.model}-{args.preset}")
     try:
-        return train_on(args, cfg, *layout(args), stream, out)
+        parallel, device = layout(args)
+        run_id, resume_from = on_lead(parallel, lambda: folder.open(
+            args.model, config_dict(cfg), args.resume, args.resume_from, args.overwrite))
+        return train_on(args, cfg, parallel, device, stream, folder, run_id, resume_from)
     finally:
+        folder.release()
         if joined:
             dist.destroy_process_group()
+
+
+def config_dict(cfg) -> dict:
+    """The config as it reads back from JSON (tuples become lists), to compare with a saved one."""
+    return json.loads(json.dumps(dataclasses.asdict(cfg)))
+
+
+def on_lead(parallel: Parallel, work):
+    """work() on rank 0 alone (the run folder is rank 0's); its result, or its ConfigError, reaches every rank,
+    so that all ranks go on or stop alike."""
+    outcome = [None, None]
+    if parallel.rank == 0:
+        try:
+            outcome[0] = work()
+        except ConfigError as err:
+            outcome[1] = str(err)
+    if parallel.world > 1:
+        dist.broadcast_object_list(outcome, src=0)
+    if outcome[1]:
+        raise ConfigError(outcome[1])
+    return outcome[0]
 
 
 def join_processes(args) -> bool:
@@ -181,59 +215,70 @@ def micro_batches_of(args, parallel: Parallel, input_ids, labels):
         yield input_ids[rows], labels[rows]
 
 
-def train_on(args, cfg, parallel: Parallel, device: torch.device, stream, out: Path) -> list[float]:
+def train_on(args, cfg, parallel: Parallel, device: torch.device, stream, folder, run_id: str,
+             resume_from: Path | None) -> list[float]:
+    torch.manual_seed(args.seed)   # the global generators (CPU and CUDA, checkpointed) start alike in every run
     micro_batches = args.batch_size // (micro_batch_size(args, parallel) * parallel.data_ranks)
-    from pith_engine import checkpoint  # heavy import (DCP, DTensor: ~0.8 s): only when training
     dtype = DTYPES[args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
     model = build_model(MODELS[args.model][1], cfg, parallel, device, dtype, args.seed, args.seq_len, args.balance,
                         micro_batches)
     if args.compile if args.compile is not None else device.type == "cuda":
         compile_stages(model)
     optimizer = adamw(model, args.lr, args.weight_decay)
-    start = restore(out, model, optimizer, cfg) if args.resume else 0
+    if args.save_every:
+        size = checkpoint_bytes(model, parallel)
+        on_lead(parallel, lambda: folder.check_space(size))
+    start = restore(resume_from, model, optimizer, cfg, folder, parallel) if resume_from else 0
     lead = parallel.rank == 0
     from torch.utils.tensorboard import SummaryWriter  # heavy import: only when training
-    writer = SummaryWriter(out / "tb") if lead else None
+    writer = SummaryWriter(folder.tb) if lead else None
     losses, speeds = [], []
     progress = make_progress(start, args) if lead else lambda loss, tokens_per_s: None
-    for step in range(start, args.steps):
-        tic = time.perf_counter()
-        lr = lr_at(step, args.lr, args.warmup, args.steps, args.schedule)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        input_ids, labels = batch_at(stream, step, args.seed, args.batch_size, args.seq_len)
-        loss_value, grad_norm = train_step(args, parallel, device, model, optimizer, input_ids, labels)
-        if not math.isfinite(loss_value):
-            raise ConfigError(f"loss became {loss_value} at step {step}; lower --lr (now {args.lr}) or check the data")
-        tokens_per_s = args.batch_size * args.seq_len / (time.perf_counter() - tic)
-        losses.append(loss_value)
-        speeds.append(tokens_per_s)
-        if lead:
-            scalars = dict(loss=loss_value, lr=lr, grad_norm=grad_norm.item(), tokens_per_s=tokens_per_s)
-            if device.type == "cuda":
-                scalars["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-            for name, value in scalars.items():
-                writer.add_scalar(f"train/{name}", value, step + 1)
-        progress(loss_value, tokens_per_s)
-        if args.save_every and ((step + 1) % args.save_every == 0 or step + 1 == args.steps):
-            checkpoint.save(out / "checkpoints", step + 1, model, optimizer,
-                            dict(config=dataclasses.asdict(cfg), layout=dict(dp=parallel.dp, ep=parallel.ep)))
+    saved_meta = dict(run=run_id, config=config_dict(cfg), layout=dict(dp=parallel.dp, ep=parallel.ep))
+    with StopSignals() as signals:
+        for step in range(start, args.steps):
+            tic = time.perf_counter()
+            lr = lr_at(step, args.lr, args.warmup, args.steps, args.schedule)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            input_ids, labels = batch_at(stream, step, args.seed, args.batch_size, args.seq_len)
+            loss_value, grad_norm, stop = train_step(args, parallel, device, model, optimizer, step + 1, input_ids,
+                                                     labels, signals.asked is not None)
+            tokens_per_s = args.batch_size * args.seq_len / (time.perf_counter() - tic)
+            losses.append(loss_value)
+            speeds.append(tokens_per_s)
+            if lead:
+                scalars = dict(loss=loss_value, lr=lr, grad_norm=grad_norm.item(), tokens_per_s=tokens_per_s)
+                if device.type == "cuda":
+                    scalars["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+                for name, value in scalars.items():
+                    writer.add_scalar(f"train/{name}", value, step + 1)
+            progress(loss_value, tokens_per_s)
+            if args.save_every and ((step + 1) % args.save_every == 0 or step + 1 == args.steps or stop):
+                save(folder, step + 1, model, optimizer, saved_meta)
+            if stop:
+                if lead:
+                    saved = f"checkpoint step-{step + 1:08d}" if args.save_every else "no checkpoint (--save-every 0)"
+                    print(f"stopped by {signals.asked or 'a signal to another rank'} after step {step + 1}: {saved}; "
+                          f"continue with --resume")
+                break
     if lead:
         writer.close()
         if losses:
             memory = (f", peak memory {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB"
                       if device.type == "cuda" else "")
-            print(f"trained steps {start + 1}-{args.steps}: loss {losses[0]:.3f} -> {losses[-1]:.3f} "
+            print(f"trained steps {start + 1}-{start + len(losses)}: loss {losses[0]:.3f} -> {losses[-1]:.3f} "
                   f"(mean of last 10: {sum(losses[-10:]) / len(losses[-10:]):.3f}), "
                   f"{sorted(speeds)[len(speeds) // 2]:,.0f} tokens/s (median step){memory}; "
-                  f"{'checkpoints ' + str(out / 'checkpoints') + ', ' if args.save_every else ''}"
-                  f"TensorBoard logs {out / 'tb'}")
+                  f"{'checkpoints ' + str(folder.checkpoints) + ', ' if args.save_every else ''}"
+                  f"TensorBoard logs {folder.tb}")
     return losses
 
 
-def train_step(args, parallel: Parallel, device, model, optimizer, input_ids, labels) -> tuple[float, torch.Tensor]:
-    """One optimizer step on a global batch, its micro-batches' gradients accumulated; returns the step's loss
-    (the same on every rank) and the gradient norm before the clip."""
+def train_step(args, parallel: Parallel, device, model, optimizer, number: int, input_ids, labels, stop_asked: bool):
+    """Optimizer step `number` (from 1) on a global batch, its micro-batches' gradients accumulated. Returns the
+    step's loss, the gradient norm before the clip and whether any rank was asked to stop (loss and stop the same
+    on every rank); ConfigError when the loss or the updated weights are not finite (before anything is saved)."""
     tokens = (labels != -100).sum().item()   # of the global batch: each micro-batch's loss is its share of the mean
     loss = torch.zeros((), device=device)
     for ids, targets in micro_batches_of(args, parallel, input_ids, labels):
@@ -244,23 +289,73 @@ def train_step(args, parallel: Parallel, device, model, optimizer, input_ids, la
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     update_expert_bias(model)
+    weights = torch.stack(torch._foreach_norm([local_part(p.detach()) for p in model.parameters()])).sum()
+    totals = torch.stack([loss, weights.to(device), torch.tensor(float(stop_asked), device=device)])
+    if parallel.world > 1:   # one all-reduce: losses add up over data ranks, a non-finite weight anywhere shows
+        dist.all_reduce(totals)
+    loss_value, weights_value, stop = totals.tolist()
+    if not math.isfinite(loss_value) or not math.isfinite(weights_value):
+        what = f"the loss became {loss_value}" if not math.isfinite(loss_value) else \
+            f"the weights became non-finite after the update (the loss was {loss_value:.4g})"
+        raise ConfigError(f"step {number}: {what}; nothing of it was saved, the last checkpoint "
+                          f"is intact; lower --lr (now {args.lr}) and continue with --resume or --resume-from")
+    return loss_value, grad_norm, stop > 0
+
+
+def checkpoint_bytes(model, parallel: Parallel) -> int:
+    """About what one checkpoint takes: the fp32 weights and AdamW's two moments of every rank."""
+    size = torch.tensor(sum(local_part(p).numel() * 4 * 3 for p in model.parameters()), dtype=torch.float64)
     if parallel.world > 1:
-        dist.all_reduce(loss, group=parallel.group("dp", "cp", "ep"))
-    return loss.item(), grad_norm
+        dist.all_reduce(size)
+    return int(size.item())
 
 
-def restore(out: Path, model, optimizer, cfg) -> int:
-    """The step to continue from: that of the newest checkpoint in <out>/checkpoints (0 when there is none)."""
+def save(folder, step: int, model, optimizer, meta: dict):
     from pith_engine import checkpoint
-    path = checkpoint.latest(out / "checkpoints")
-    if path is None:
-        return 0
-    require(checkpoint.read_meta(path)["config"] == json.loads(json.dumps(dataclasses.asdict(cfg))),
-            f"checkpoint '{path}' was trained with another model config; use another --out or drop --resume")
-    meta = checkpoint.load(path, model, optimizer)
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    try:
+        checkpoint.save(folder.checkpoints, step, model, optimizer, meta)
+    except checkpoint.CheckpointError as err:
+        raise ConfigError(str(err)) from None
+
+
+def restore(path: Path, model, optimizer, cfg, folder, parallel: Parallel) -> int:
+    """Load the checkpoint at path; returns its step. A damaged one stops the run, naming the newest intact."""
+    from pith_engine import checkpoint
+    try:
+        require(checkpoint.read_meta(path).get("config") == config_dict(cfg),
+                f"checkpoint '{path}' was trained with another model config; use another --out or drop --resume")
+        meta = checkpoint.load(path, model, optimizer)
+    except checkpoint.CheckpointError as err:
+        raise ConfigError(f"{err}; {on_lead(parallel, lambda: folder.good_one(skip=path))}") from None
+    if parallel.rank == 0:
         print(f"resumed from {path} at step {meta['step']} (saved under {meta['layout']})")
     return meta["step"]
+
+
+class StopSignals:
+    """SIGTERM and SIGINT (Ctrl-C) ask the run to stop: it finishes the step, checkpoints and exits 0 (the ranks
+    agree on the step). Another signal more than a second later exits at once, the last checkpoint intact;
+    copies within the second (torchrun forwards what the shell already sent its workers) are the same request."""
+
+    def __init__(self):
+        self.asked, self.at, self.previous = None, 0.0, {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self.previous = {sig: signal.signal(sig, self.handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+        return self
+
+    def handle(self, signum, frame):
+        if self.asked and time.monotonic() - self.at > 1.0:
+            print(f"pith-train: {signal.Signals(signum).name} again: stopping now; the last checkpoint is intact",
+                  file=sys.stderr, flush=True)
+            os._exit(128 + signum)
+        if not self.asked:
+            self.asked, self.at = signal.Signals(signum).name, time.monotonic()
+
+    def __exit__(self, *exc):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
 
 
 def make_progress(start: int, args):
@@ -281,7 +376,8 @@ def main(argv=None):
     try:
         train(parse_args(argv))
     except (ConfigError, LayoutError) as err:
-        print(f"pith-train: error: {err}", file=sys.stderr)
+        if int(os.environ.get("RANK", "0")) == 0:   # every rank stops alike; one says why
+            print(f"pith-train: error: {err}", file=sys.stderr)
         sys.exit(2)
 
 

@@ -11,14 +11,22 @@ element once and a later load under another layout reads the pieces it needs. Th
 parameters (optimizer.<name>.exp_avg / exp_avg_sq); the step counter, the aux-free expert biases and the RNG
 state ride along, and meta.json holds what is not a tensor.
 
-A save writes step-N.tmp/, then rank 0 renames it to step-N/ and points the `latest` file at it (each
-rename one atomic step): a crash midway leaves the previous checkpoint untouched and `latest` naming it.
+A save writes step-N.tmp/, then rank 0 records the size and CRC-32 of every file in meta.json, renames the
+folder to step-N/ and points the `latest` file at it (each rename one atomic step): a crash midway leaves the
+previous checkpoint untouched and `latest` naming it. A load first checks every file against meta.json, so
+a truncated, missing or altered file stops it with CheckpointError instead of loading changed weights.
+Pruning keeps the KEEP most recently saved checkpoints of the saving run's lineage (meta "run"), and never
+touches a checkpoint of another run.
 """
 import contextlib
 import json
 import os
+import re
 import shutil
+import time
 import warnings
+import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -26,7 +34,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor, Shard
 
-KEEP = 2   # newest checkpoints kept; older ones are deleted after a successful save
+KEEP = 2   # most recently saved checkpoints of a run kept; older ones are deleted after a successful save
+STEP_FOLDER = re.compile(r"step-\d{8}")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that could not be written, or cannot be read back as it was written; the message says which
+    and why."""
 
 
 def expert_entry(stack: torch.Tensor, e: int) -> torch.Tensor:
@@ -96,24 +110,67 @@ def barrier():
 
 
 def save(directory: str | Path, step: int, model, optimizer, meta: dict) -> Path:
-    """Write step-<step>/ under directory (all ranks call this); meta (JSON) goes into meta.json."""
+    """Write step-<step>/ under directory (all ranks call this); meta (JSON, with "run": the lineage to prune
+    within) goes into meta.json with the step, the time and the files' checksums."""
     directory = Path(directory)
     final, tmp = directory / f"step-{step:08d}", directory / f"step-{step:08d}.tmp"
-    if is_writer():
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    barrier()
-    with single_process_is_meant():
-        dcp.save(training_state(model, optimizer), checkpoint_id=tmp)
-    if is_writer():
-        write_atomic(tmp / "meta.json", json.dumps(meta | {"step": step}, indent=1))
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        write_atomic(directory / "latest", final.name)
-        for old in sorted(directory.glob("step-????????"))[:-KEEP]:
-            shutil.rmtree(old)
+    try:
+        if is_writer():
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        barrier()
+        with single_process_is_meant():
+            dcp.save(training_state(model, optimizer), checkpoint_id=tmp)   # returns once every rank has written
+        if is_writer():
+            files = checksums(tmp)
+            write_atomic(tmp / "meta.json", json.dumps(meta | dict(step=step, saved_at=time.time(), files=files), indent=1))
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            write_atomic(directory / "latest", final.name)
+            prune(directory, meta.get("run"))
+    except (OSError, RuntimeError, dcp.api.CheckpointException) as err:
+        free = shutil.disk_usage(directory).free / 1e9 if directory.is_dir() else float("nan")
+        raise CheckpointError(f"could not write checkpoint '{final}' ({first_line(err)}; {free:.1f} GB free there); "
+                              f"the last good checkpoint is {latest_name(directory)}") from None
     barrier()
     return final
+
+
+def first_line(err: BaseException) -> str:
+    """What went wrong, in one line: for DCP's gathered failures, the first rank's own exception."""
+    failures = getattr(err, "failures", None)
+    if failures:
+        err = next(iter(failures.values()))[0]
+    return f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
+
+
+def crc32_of(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)   # releases the GIL: files are summed in parallel threads
+    return crc
+
+
+def checksums(folder: Path) -> dict[str, list[int]]:
+    """{file name: [bytes, CRC-32]} of every file in folder but meta.json."""
+    files = sorted(p for p in folder.iterdir() if p.is_file() and p.name != "meta.json")
+    with ThreadPoolExecutor(8) as pool:
+        crcs = list(pool.map(crc32_of, files))
+    return {p.name: [p.stat().st_size, crc] for p, crc in zip(files, crcs)}
+
+
+def prune(directory: Path, run):
+    """Delete the checkpoints of lineage `run` beyond the KEEP most recently saved; an unreadable one or one of
+    another run is never deleted."""
+    mine = []
+    for path in directory.glob("step-????????"):
+        with contextlib.suppress(CheckpointError):
+            meta = read_meta(path)
+            if meta.get("run") == run:
+                mine.append((meta.get("saved_at", 0), path))
+    for _, path in sorted(mine)[:-KEEP]:
+        shutil.rmtree(path)
 
 
 def write_atomic(path: Path, text: str):
@@ -126,25 +183,79 @@ def write_atomic(path: Path, text: str):
 
 
 def latest(directory: str | Path) -> Path | None:
-    """The newest complete checkpoint under directory, or None."""
+    """The checkpoint the `latest` file of directory names (None: no file); CheckpointError if it names none."""
     pointer = Path(directory) / "latest"
-    return Path(directory) / pointer.read_text().strip() if pointer.is_file() else None
+    if not pointer.is_file():
+        return None
+    name = pointer.read_bytes().decode(errors="replace").strip()
+    if not STEP_FOLDER.fullmatch(name):
+        raise CheckpointError(f"'{pointer}' names {name[:40]!r}, not a checkpoint folder")
+    return Path(directory) / name
+
+
+def latest_name(directory: Path) -> str:
+    with contextlib.suppress(CheckpointError):
+        path = latest(directory)
+        return f"'{path}'" if path else "none"
+    return "unknown ('latest' is damaged)"
 
 
 def read_meta(checkpoint: str | Path) -> dict:
-    return json.loads((Path(checkpoint) / "meta.json").read_text())
+    try:
+        meta = json.loads((Path(checkpoint) / "meta.json").read_text())
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"checkpoint '{checkpoint}' is incomplete or damaged: its meta.json cannot be read "
+                              f"({first_line(err)})") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("files"), dict):
+        raise CheckpointError(f"checkpoint '{checkpoint}' is damaged: its meta.json lists no files")
+    return meta
+
+
+def damage(checkpoint: str | Path, share: tuple[int, int] = (0, 1)) -> str | None:
+    """Why the checkpoint is not as it was written (None: it is). share = (i, n): check only every n-th file from
+    the i-th, so that n ranks split the reading."""
+    try:
+        files = read_meta(checkpoint)["files"]
+    except CheckpointError as err:
+        return str(err)
+    for name, (size, crc) in sorted(files.items())[share[0]::share[1]]:
+        path = Path(checkpoint) / name
+        if not path.is_file():
+            return f"checkpoint '{checkpoint}' is damaged: its file {name} is missing"
+        if path.stat().st_size != size:
+            return f"checkpoint '{checkpoint}' is damaged: its file {name} has {path.stat().st_size} bytes, not {size}"
+        if crc32_of(path) != crc:
+            return f"checkpoint '{checkpoint}' is damaged: its file {name} does not match its checksum"
+    return None
+
+
+def newest_good(directory: str | Path, skip: Path | None = None) -> Path | None:
+    """The most recently saved checkpoint under directory that is as it was written (every file checked)."""
+    saved = []
+    for path in Path(directory).glob("step-????????"):
+        with contextlib.suppress(CheckpointError):
+            saved.append((read_meta(path).get("saved_at", 0), path))
+    return next((path for _, path in sorted(saved, reverse=True) if path != skip and damage(path) is None), None)
 
 
 def load(checkpoint: str | Path, model, optimizer) -> dict:
-    """Fill model, optimizer and RNG from a checkpoint saved under any layout; returns its meta."""
+    """Fill model, optimizer and RNG from a checkpoint saved under any layout, after checking its files (the
+    ranks split them); returns its meta. CheckpointError when it is damaged or of another model."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    found = [damage(checkpoint, (rank, world))]
+    if world > 1:
+        mine, found = found[0], [None] * world
+        dist.all_gather_object(found, mine)
+    if any(found):
+        raise CheckpointError(next(f for f in found if f))
     state = training_state(model, optimizer)
     saved = dcp.FileSystemReader(checkpoint).read_metadata().state_dict_metadata
     if "rng.cuda" not in saved:   # saved without a GPU
         state.pop("rng.cuda", None)
     missing = [name for name in state if name not in saved]
     if missing:
-        raise ValueError(f"checkpoint '{checkpoint}' lacks {len(missing)} of this model's entries, e.g. "
-                         f"{missing[:3]}; it was saved from another model")
+        raise CheckpointError(f"checkpoint '{checkpoint}' lacks {len(missing)} of this model's entries, e.g. "
+                              f"{missing[:3]}; it was saved from another model")
     with single_process_is_meant():
         dcp.load(state, checkpoint_id=Path(checkpoint))
     for param_state in optimizer.state.values():
