@@ -1,145 +1,300 @@
-"""Single-GPU training throughput of the three families against Hugging Face transformers, in one run.
+"""Single-GPU training throughput of the three families against Hugging Face transformers.
 
-Full width, 4 decoder layers, 4096-token sequences, bf16 weights, fused AdamW; a step is `accum`
-micro-batches of one sequence, then the optimizer; median of 4 steps after 2 warm-ups (the settings of
-../shared/bench/hf_baseline.py, which this script imports and runs on the same GPU for the baseline
-numbers, and whose FLOP count it uses so that MFU is counted the same way).
+Every measured configuration (side, family, micro-batches, precision) runs in a fresh Python process: this
+script started again with --one, so no compiled code, allocator state or global torch setting of one run
+reaches another (transformers measured right after our compiled model in one process ran up to a third
+slower than alone). This process imports neither torch nor either side.
+
+Full width, 4 decoder layers (the real presets cut), 4096-token sequences of the bundled corpus (byte
+tokens), a step of `accum` micro-batches of one sequence; median of the steps after 2 warm-ups. Our side
+runs the app's own `train_step` on the app's model: precision "mixed" is the app's (fp32 master weights,
+gradients and AdamW state, bf16 compute), "bf16" the same step with the model cast to bf16. The baseline
+(bench/hf_baseline.py) does the matching transformers step. MFU: model FLOPs per token (6 x the matmul
+weights a token passes through: attention, router, active and shared experts, LM head; plus causal
+attention scores, a sliding window's only up to its width) against the bf16 matmul peak measured here.
 
   PYTHONPATH=packages/pith-ops/src:packages/pith-engine/src:packages/pith-apps/src \
-    python3 bench/train_throughput.py --baseline ../shared/bench/hf_baseline.py [--families qwen3] [--accum 1 8]
+    python3 bench/train_throughput.py [--families qwen3] [--accum 1 8] [--precision bf16 mixed] [--repeats 2]
+  ... --parity [--precision mixed]: from the same transformers weights, our loss over 20 AdamW steps
+      against transformers'
+  ... --sdpa-check: transformers alone, and after one call of our causal attention in its process
 
-Writes $OUT/train_throughput.json when OUT is set; --profile adds a per-kernel CUDA time table per family.
+Writes $OUT/train_throughput.json (or parity.json, sdpa_check.json) when OUT is set.
 """
 import argparse
-import gc
-import importlib.util
 import json
 import os
-import time
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
-import torch
-
-from pith_apps.config import read_json
-from pith_apps.train import MODELS, PRESETS
-from pith_engine.compile import compile_stages
-from pith_engine.optim import adamw
-
-REAL = {"qwen3": ("30b-a3b", "qwen3_moe"), "deepseek_v2": ("lite", "deepseek_v2"), "gpt_oss": ("20b", "gpt_oss")}
-
-
-def load_baseline(path):
-    spec = importlib.util.spec_from_file_location("hf_baseline", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+ROOT = Path(__file__).resolve().parents[1]
+PRESETS = ROOT / "packages/pith-apps/src/pith_apps/presets"
+REAL = {"qwen3": "30b-a3b", "deepseek_v2": "lite", "gpt_oss": "20b"}
+AUX_COEFS = ("router_aux_loss_coef", "aux_loss_alpha")
 
 
-def build(name, layers):
-    config_cls, model_cls = MODELS[name]
-    data = read_json(PRESETS / f"{name}_{REAL[name][0]}.json") | {"num_hidden_layers": layers}
-    if name == "gpt_oss":
+def preset_dict(family: str, preset: str, layers: int, aux: bool = True) -> dict:
+    data = json.loads((PRESETS / f"{family}_{preset}.json").read_text()) | {"num_hidden_layers": layers}
+    if "layer_types" in data:
         data["layer_types"] = data["layer_types"][:layers]
-    with torch.device("cuda"):
-        model = model_cls(config_cls.from_dict(data)).to(torch.bfloat16)
-    with torch.no_grad():   # on the GPU: the CPU generator of init_weights is slow for billions of values
-        for param_name, param in model.named_parameters():
-            param.fill_(1.0) if param_name.endswith("norm.weight") else param.normal_(0, 0.02)
-    return compile_stages(model)
+    return data | ({} if aux else {key: 0.0 for key in AUX_COEFS if key in data})
 
 
-def clean_gpu() -> float:
-    """Free what earlier runs left (compiled code holds its layers in reference cycles) and restart the peak
-    count, so that each side's peak memory is its own; returns the GiB still allocated."""
-    torch._dynamo.reset()
-    gc.collect()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    return torch.cuda.memory_allocated() / 2**30
+def flops_per_token(p: dict, seq: int) -> float:
+    """Training FLOPs per token: 6 per matmul weight a token passes through, plus the attention scores."""
+    h, heads, layers = p["hidden_size"], p["num_attention_heads"], p["num_hidden_layers"]
+    if p["model_type"] == "deepseek_v2":
+        qk_dim, v_dim = p["qk_nope_head_dim"] + p["qk_rope_head_dim"], p["v_head_dim"]
+        attention = (h * heads * qk_dim + h * (p["kv_lora_rank"] + p["qk_rope_head_dim"])
+                     + p["kv_lora_rank"] * heads * (p["qk_nope_head_dim"] + v_dim) + heads * v_dim * h)
+        experts, width = p["n_routed_experts"], p["moe_intermediate_size"]
+        active = p["num_experts_per_tok"] + p["n_shared_experts"]
+        dense_layers = p["first_k_dense_replace"]
+    else:
+        head_dim, kv_heads = p["head_dim"], p["num_key_value_heads"]
+        qk_dim = v_dim = head_dim
+        attention = h * head_dim * (2 * heads + 2 * kv_heads)
+        experts = p.get("num_experts") or p["num_local_experts"]
+        width = p["moe_intermediate_size"] if p["model_type"] == "qwen3_moe" else p["intermediate_size"]
+        active, dense_layers = p["num_experts_per_tok"], 0
+    moe = 3 * h * width * active + h * experts
+    dense = 3 * h * p.get("intermediate_size", 0)
+    weights = layers * attention + dense_layers * dense + (layers - dense_layers) * moe + h * p["vocab_size"]
+    window = p.get("sliding_window")
+    keys = [min(seq / 2, window) if kind == "sliding_attention" and window else seq / 2
+            for kind in p.get("layer_types", ["full_attention"] * layers)]   # mean keys a query attends to
+    return 6 * weights + 6 * sum(keys) * heads * (qk_dim + v_dim)
 
 
-def run(name, layers, seq, accum, steps=6):
+# ---- inside a fresh process (--one) ----
+
+def batches(count: int, rows: int, seq: int, vocab: int, corpus: bool):
+    """(input_ids, labels) per step: windows of the bundled corpus in byte tokens (a loss that falls), or
+    uniform random tokens (timing: byte tokens at init would route a few hundred distinct embeddings,
+    crowding some experts, where a real tokenizer's tokens spread over the vocabulary)."""
+    import torch
+    from pith_apps.data import DEFAULT_CORPUS, ByteTokenizer, batch_at
+    if corpus:
+        stream = torch.tensor(ByteTokenizer().encode(DEFAULT_CORPUS.read_text()))
+        return [batch_at(stream, step, 0, rows, seq) for step in range(count)]
+    windows = torch.randint(0, vocab, (count, rows, seq + 1), generator=torch.Generator().manual_seed(0))
+    return [(window[:, :-1], window[:, 1:]) for window in windows]
+
+
+def pith_setup(c: dict, preset: dict, hf_weights: str | None = None):
+    """The app's model, optimizer and step function for configuration c."""
+    import torch
+    from pith_apps.train import MODELS, build_model, check_args, layout, model_config, parse_args, train_step
+    from pith_engine.compile import compile_stages
+    from pith_engine.optim import adamw
+    with tempfile.TemporaryDirectory() as folder:
+        config_file = Path(folder, "config.json")
+        config_file.write_text(json.dumps(preset))
+        args = parse_args([c["family"], "--config", str(config_file), "--seq-len", str(c["seq"]), "--batch-size",
+                           str(c["accum"]), "--micro-batch-size", "1", "--device", c["device"], "--save-every", "0"])
+        check_args(args)
+        cfg, model_cls = model_config(args), MODELS[args.model][1]
+    parallel, device = layout(args)
+    if c["precision"] == "mixed":
+        model = build_model(model_cls, cfg, parallel, device, torch.bfloat16, args.seed, args.seq_len,
+                            micro_batches=c["accum"])
+    else:
+        with torch.device("meta"):
+            model = model_cls(cfg, parallel, micro_batches=c["accum"])
+        model.to_empty(device=device)
+        model.init_weights(args.seed)
+        model.to(torch.bfloat16)
+    if hf_weights:
+        from pith_apps.hf_checkpoint import load_hf_weights
+        load_hf_weights(model, hf_weights)
+    if device.type == "cuda":
+        compile_stages(model)
+    optimizer = adamw(model, c["lr"], 0.0)
+
+    def step(number, ids, labels):
+        return train_step(args, parallel, device, model, optimizer, number, ids, labels, False)[0]
+    return step
+
+
+def hf_setup_step(c: dict, preset: dict, first_ids, save_to: str | None = None):
+    import torch
+    from hf_baseline import hf_optimizer, hf_setup, hf_step
+    model, attention = hf_setup(preset, "bf16" if save_to else c["precision"], c["device"], first_ids.to(c["device"]))
+    if save_to:   # the parity run: weights saved as drawn in bf16, then trained in the run's precision
+        model.save_pretrained(save_to)
+        model.to(torch.float32 if c["precision"] == "mixed" else torch.bfloat16)
+    optimizer = hf_optimizer(model, c["lr"])
+    return lambda number, ids, labels: hf_step(model, optimizer, ids.to(c["device"]), c["precision"]), attention
+
+
+def touch_our_attention(device: str):
+    """One forward and backward of our causal attention at MLA's shape (the --sdpa-check variant)."""
+    import torch
+    from pith_apps.models.layers import causal_attention
+    q, k = (torch.randn(1, 16, 4096, 192, device=device, dtype=torch.bfloat16, requires_grad=True) for _ in "qk")
+    v = torch.randn(1, 16, 4096, 128, device=device, dtype=torch.bfloat16, requires_grad=True)
+    causal_attention(q, k, v, 192 ** -0.5).sum().backward()
+
+
+def measure(c: dict) -> dict:
+    """Run configuration c here and return its row."""
+    fresh = not any(name.split(".")[0] in ("torch", "transformers", "pith_apps") for name in sys.modules)
+    import time
+
+    import torch
+    row = dict(c, pid=os.getpid(), fresh=fresh, torch=torch.__version__)
+    cuda = c["device"].startswith("cuda")
+    if c["side"] == "peak":
+        return row | dict(tflops=matmul_peak(c["device"]))
     torch.manual_seed(0)
-    model = build(name, layers)
-    optimizer = adamw(model, lr=1e-4, weight_decay=0.0)
-    ids = torch.randint(0, model.config.vocab_size, (1, seq), device="cuda")
-    labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
-    times = []
-    for _ in range(steps):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(accum):
-            loss = model.loss_sum(ids, labels) / (labels != -100).sum() / accum
-            loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    step = sorted(times[2:])[len(times[2:]) // 2]
-    memory = torch.cuda.max_memory_allocated() / 2**30
-    del model, optimizer
-    return dict(step_s=round(step, 4), tok_s=round(accum * seq / step), peak_mem_gib=round(memory, 1),
-                loss=round(loss.item() * accum, 3))
+    preset = preset_dict(c["family"], c["preset"], c["layers"], aux=c.get("aux", True))
+    steps = batches(c["steps"], c["accum"], c["seq"], preset["vocab_size"], corpus=c.get("corpus", False))
+    if c.get("touch_attention"):
+        touch_our_attention(c["device"])
+    if c["side"] == "pith":
+        step = pith_setup(c, preset, c.get("hf_weights"))
+    else:
+        step, row["attention"] = hf_setup_step(c, preset, steps[0][0], c.get("save_to"))
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    times, losses = [], []
+    for number, (ids, labels) in enumerate(steps, 1):
+        if cuda:
+            torch.cuda.synchronize()
+        tic = time.perf_counter()
+        losses.append(step(number, ids, labels))
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - tic)
+    timed = sorted(times[2:]) or times
+    median = timed[len(timed) // 2]
+    row |= dict(step_s=round(median, 4), tok_s=round(c["accum"] * c["seq"] / median), losses=[round(x, 4) for x in losses])
+    if cuda:
+        row["peak_mem_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
+    return row
 
 
-def profile(name, layers, seq, path):
-    """One compiled step of one micro-batch under torch.profiler: CUDA time per kernel, largest first."""
-    torch.manual_seed(0)
-    model = build(name, layers)
-    ids = torch.randint(0, model.config.vocab_size, (1, seq), device="cuda")
-    labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
-    for _ in range(2):
-        model.loss_sum(ids, labels).backward()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        model.loss_sum(ids, labels).backward()
-        torch.cuda.synchronize()
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=90)
-    open(path, "w").write(table)
-    del model
-    torch.cuda.empty_cache()
+def matmul_peak(device: str) -> float:
+    """bf16 matmul TFLOP/s at 8192^3 (fp32 on a CPU, which has no fast bf16)."""
+    import time
+
+    import torch
+    size, cuda = (8192, True) if device.startswith("cuda") else (512, False)
+    a = torch.randn(size, size, device=device, dtype=torch.bfloat16 if cuda else torch.float32)
+    for repeat in (3, 10):
+        if cuda:
+            torch.cuda.synchronize()
+        tic = time.perf_counter()
+        for _ in range(repeat):
+            a @ a
+        if cuda:
+            torch.cuda.synchronize()
+    return round(2 * size**3 * repeat / (time.perf_counter() - tic) / 1e12, 1)
+
+
+# ---- the driver ----
+
+def isolated(config: dict) -> dict:
+    """config measured in a process of its own; a failure comes back as the row's error."""
+    done = subprocess.run([sys.executable, __file__, "--one", json.dumps(config)], capture_output=True, text=True)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode or not lines:
+        return dict(config, error=(done.stderr.strip().splitlines() or ["no output"])[-1])
+    return json.loads(lines[-1])
+
+
+def configurations(args) -> list[dict]:
+    base = dict(layers=args.layers, seq=args.seq, steps=args.steps, device=args.device, lr=1e-4)
+    return [base | dict(side=side, family=family, preset=args.preset or REAL[family], accum=accum, precision=precision)
+            for family in args.families for precision in args.precision for accum in args.accum
+            for side in ("pith", "hf")]
+
+
+def throughput_table(args) -> dict:
+    peak = isolated(dict(side="peak", device=args.device))["tflops"]
+    rows = []
+    for repeat in range(args.repeats):
+        for config in configurations(args):
+            row = isolated(config | dict(repeat=repeat))
+            if "tok_s" in row:
+                preset = preset_dict(row["family"], row["preset"], row["layers"])
+                row["mfu_pct"] = round(100 * row["tok_s"] * flops_per_token(preset, row["seq"]) / 1e12 / peak, 1)
+            rows.append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "losses"}), flush=True)
+    print_table(rows)
+    return dict(peak_tflops=peak, rows=rows)
+
+
+def print_table(rows: list[dict]):
+    print("\nfamily       precision  accum repeat  pith tok/s   hf tok/s  speedup  pith MFU  hf MFU  pith GiB  hf GiB")
+    ours = [r for r in rows if r["side"] == "pith"]
+    for r in ours:
+        theirs = next(t for t in rows if t["side"] == "hf" and all(t.get(k) == r.get(k) for k in
+                                                                      ("family", "precision", "accum", "repeat")))
+        if "error" in r or "error" in theirs:
+            print(f"{r['family']:<12} {r['precision']:<10} {r['accum']:>5}  error: {r.get('error') or theirs['error']}")
+            continue
+        print(f"{r['family']:<12} {r['precision']:<10} {r['accum']:>5} {r['repeat']:>6}  {r['tok_s']:>10,} "
+              f"{theirs['tok_s']:>10,}  {r['tok_s'] / theirs['tok_s']:>6.2f}x  {r['mfu_pct']:>7}%  {theirs['mfu_pct']:>5}%"
+              f"  {r.get('peak_mem_gib', '-'):>8}  {theirs.get('peak_mem_gib', '-'):>6}")
+
+
+def parity(args) -> dict:
+    """Per family and precision: transformers draws bf16 weights, saves them and trains 20 steps; the app
+    loads the same weights and trains on the same batches. Aux losses off on both sides."""
+    rows = []
+    for family, precision in [(f, p) for f in args.families for p in args.precision]:
+        folder = tempfile.mkdtemp(prefix=f"parity-{family}-")
+        base = dict(family=family, preset=args.preset or REAL[family], layers=args.layers, seq=args.seq, steps=20,
+                    accum=1, device=args.device, lr=1e-4, precision=precision, aux=False, corpus=True)
+        theirs = isolated(base | dict(side="hf", save_to=folder))
+        ours = isolated(base | dict(side="pith", hf_weights=folder))
+        shutil.rmtree(folder)
+        row = dict(family=family, precision=precision, hf=theirs.get("losses") or theirs.get("error"),
+                   pith=ours.get("losses") or ours.get("error"))
+        if "losses" in theirs and "losses" in ours:
+            gaps = [abs(a - b) / b for a, b in zip(ours["losses"], theirs["losses"])]
+            row |= dict(init_gap_pct=round(100 * gaps[0], 3), max_gap_pct=round(100 * max(gaps), 3))
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return dict(rows=rows)
+
+
+def sdpa_check(args) -> dict:
+    """transformers' DeepSeek-V2-Lite step alone, and after one call of our causal attention in its process."""
+    base = dict(side="hf", family="deepseek_v2", preset=args.preset or REAL["deepseek_v2"], layers=args.layers,
+                seq=args.seq, steps=args.steps, accum=1, device=args.device, lr=1e-4, precision="bf16")
+    rows = [isolated(base | dict(touch_attention=touched)) for touched in (False, True, False, True)]
+    for row in rows:
+        print(json.dumps({k: v for k, v in row.items() if k != "losses"}), flush=True)
+    return dict(rows=rows)
 
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--baseline", required=True, help="path of hf_baseline.py")
-    parser.add_argument("--families", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--one", help=argparse.SUPPRESS)   # a configuration as JSON: measure it in this process
+    parser.add_argument("--families", nargs="+", default=list(REAL), choices=list(REAL))
     parser.add_argument("--accum", nargs="+", type=int, default=[1, 8])
+    parser.add_argument("--precision", nargs="+", default=["bf16", "mixed"], choices=["bf16", "mixed"])
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--seq", type=int, default=4096)
-    parser.add_argument("--profile", action="store_true", help="also write $OUT/profile_<family>.txt (one step)")
+    parser.add_argument("--steps", type=int, default=6, help="steps per run; the first 2 are not timed")
+    parser.add_argument("--repeats", type=int, default=1, help="times the whole table is run")
+    parser.add_argument("--preset", help="another preset than the real one (e.g. tiny, for a CPU check)")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--parity", action="store_true")
+    parser.add_argument("--sdpa-check", action="store_true")
     args = parser.parse_args()
-    hf = load_baseline(args.baseline)
-    import transformers
-    print("torch", torch.__version__, "transformers", transformers.__version__, torch.cuda.get_device_name(), flush=True)
-    peak = hf.peak_tflops()
-    print(f"bf16 matmul peak measured: {peak:.0f} TFLOP/s", flush=True)
-    rows = []
-    for name in args.families:
-        kind = REAL[name][1]
-        flops = hf.flops_per_token(hf.config(kind, args.layers), kind, args.seq)
-        for accum in args.accum:
-            left = clean_gpu()
-            ours = run(name, args.layers, args.seq, accum)
-            left = max(left, clean_gpu())
-            theirs = hf.run(kind, args.layers, args.seq, "grouped_mm", accum)
-            if left > 0.01:
-                print(f"warning: {left:.2f} GiB still allocated before a run; peak memory includes it", flush=True)
-            row = dict(family=name, accum=accum, pith=ours, hf=theirs,
-                       pith_mfu_pct=round(100 * ours["tok_s"] * flops / 1e12 / peak, 1),
-                       hf_mfu_pct=round(100 * theirs["tok_s"] * flops / 1e12 / peak, 1),
-                       speedup=round(ours["tok_s"] / theirs["tok_s"], 2))
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-        if args.profile:
-            clean_gpu()
-            profile(name, args.layers, args.seq, os.path.join(os.environ.get("OUT", "."), f"profile_{name}.txt"))
-    print("\nfamily       accum  pith tok/s  hf tok/s  speedup  pith MFU  hf MFU  pith GiB  hf GiB")
-    for r in rows:
-        print(f"{r['family']:<12} {r['accum']:>5}  {r['pith']['tok_s']:>10,}  {r['hf']['tok_s']:>8,}  {r['speedup']:>7}"
-              f"  {r['pith_mfu_pct']:>7}%  {r['hf_mfu_pct']:>5}%  {r['pith']['peak_mem_gib']:>8}  {r['hf']['peak_mem_gib']:>6}")
+    if args.one:
+        print(json.dumps(measure(json.loads(args.one))))
+        return
+    name, result = (("parity", parity(args)) if args.parity else ("sdpa_check", sdpa_check(args)) if args.sdpa_check
+                    else ("train_throughput", throughput_table(args)))
     if os.environ.get("OUT"):
-        json.dump(dict(peak_tflops=peak, rows=rows), open(os.path.join(os.environ["OUT"], "train_throughput.json"), "w"),
-                  indent=1)
+        Path(os.environ["OUT"], f"{name}.json").write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

@@ -60,6 +60,31 @@ def test_one_process_computes_in_bf16_with_fp32_master_weights_and_gradients(fam
         assert moved.numel() == 0 or (moved - 1e-5).abs().max().item() < 2.5e-7, name
 
 
+def test_one_process_casts_once_per_step_and_adds_each_micro_batch_into_the_fp32_gradient():
+    """The bf16 copies are made once per optimizer step and reused by its micro-batches (never stale after
+    the update), and the fp32 gradient is the fp32 sum of the bf16 model's micro-batch gradients, bit for bit."""
+    mixed = tiny("qwen3")
+    pure = copy.deepcopy(mixed).to(torch.bfloat16)
+    shard_model(mixed, Parallel(), param_dtype=torch.bfloat16)
+    seen = []   # the embedding weight each forward computes with
+    mixed.model.embed_tokens.register_forward_pre_hook(lambda module, args: seen.append(module.weight))
+    sums = {name: torch.zeros_like(p, dtype=torch.float32) for name, p in pure.named_parameters()}
+    for seed in range(3):
+        ids, labels = batch(mixed.config.vocab_size, seed=seed)
+        (mixed.loss_sum(ids, labels) / labels.numel()).backward()
+        (pure.loss_sum(ids, labels) / labels.numel()).backward()
+        for name, param in pure.named_parameters():
+            sums[name] += param.grad.float()
+        pure.zero_grad(set_to_none=True)
+    for name, param in mixed.named_parameters():
+        assert torch.equal(param.grad, sums[name]), name
+    assert len({w.data_ptr() for w in seen}) == 1 and seen[0].dtype == torch.bfloat16
+    adamw(mixed, lr=1e-2, weight_decay=0.0).step()
+    mixed.loss_sum(*batch(mixed.config.vocab_size))
+    assert torch.equal(seen[-1], mixed.model.embed_tokens.weight.detach().to(torch.bfloat16))
+    assert not torch.equal(seen[-1], seen[0])
+
+
 def test_one_process_mixed_precision_restores_the_master_weights_after_a_failed_forward():
     model = tiny("qwen3")
     shard_model(model, Parallel(), param_dtype=torch.bfloat16)

@@ -42,3 +42,9 @@ def test_models_that_cannot_be_cut_are_named(layout, model, message):
     sizes = dict(num_layers=8, num_experts=8, num_heads=4, seq_len=64) | model
     with pytest.raises(LayoutError, match=message):
         Parallel(**layout).check_model(**sizes)
+
+
+def test_a_single_layer_model_needs_no_pipeline_chunks():
+    Parallel().check_model(num_layers=1, num_experts=8, num_heads=4, seq_len=64)   # raises on a regression
+    with pytest.raises(LayoutError, match=r"num_hidden_layers=1 is fewer than the 2 x pp = 4"):
+        Parallel(pp=2).check_model(num_layers=1, num_experts=8, num_heads=4, seq_len=64)

@@ -2,8 +2,9 @@
 
 Parameters are always fp32: the master copy the optimizer updates, with fp32 gradients and AdamW state.
 Compute runs in `param_dtype` (bf16): on several processes FSDP2 casts what it gathers; on one process
-each forward of the model reads every parameter through its cast (`ComputeCasts`), so gradients flow back
-through the cast into the fp32 `.grad`. Either way a layer computes with the same bf16 weights.
+each forward of the model reads every parameter through its bf16 copy (`ComputeCasts`, one copy per
+optimizer step), whose backward adds the gradient into the fp32 `.grad`. Either way a layer computes with
+the same bf16 weights.
 
 Expert weights are sharded over dp x cp (expert-parallel ranks hold different experts); every other
 weight over dp x cp x ep (expert-parallel ranks read different data, so they are data-parallel for those
@@ -48,27 +49,56 @@ def shard_model(model: torch.nn.Module, parallel: Parallel, param_dtype: torch.d
 
 class ComputeCasts:
     """One process's mixed precision: for the duration of each forward of the model, every fp32 parameter
-    is swapped for its cast to dtype (as torch.func.functional_call swaps tensors in). The casts are part of
-    the autograd graph, so gradients reach the fp32 parameters' .grad in fp32, and accumulate there."""
+    is swapped for its copy in dtype (as torch.func.functional_call swaps tensors in). A copy is made when
+    its parameter has changed (an optimizer step, a load) and reused by the other micro-batches of the step;
+    its backward adds the gradient into the fp32 `.grad` in one pass (AddIntoGrad), where a cast in the
+    graph would write an fp32 gradient and then add it. The copies stay alive between forwards: they are
+    the tensors each backward needs anyway."""
 
     def __init__(self, dtype: torch.dtype):
-        self.dtype, self.swapped = dtype, []
+        self.dtype, self.swapped, self.copies = dtype, [], {}
 
     def register(self, model: torch.nn.Module):
         model.register_forward_pre_hook(self.cast)
         model.register_forward_hook(self.restore, always_call=True)   # also when the forward raises
+
+    def copy_of(self, param: torch.Tensor) -> torch.Tensor:
+        state = (param._version, param.data_ptr())   # an in-place update or a new storage makes it stale
+        known = self.copies.get(id(param))
+        if known is None or known[0] != state:
+            known = self.copies[id(param)] = (state, param.detach().to(self.dtype))
+        return AddIntoGrad.apply(param, known[1])
 
     def cast(self, model, args):
         for module in model.modules():
             for name, param in module._parameters.items():
                 if param is not None and param.dtype == torch.float32:
                     self.swapped.append((module, name, param))
-                    module._parameters[name] = param.to(self.dtype)
+                    module._parameters[name] = self.copy_of(param)
 
     def restore(self, model, args, output):
         for module, name, param in self.swapped:
             module._parameters[name] = param
         self.swapped.clear()
+
+
+class AddIntoGrad(torch.autograd.Function):
+    """`copy` (param in a compute dtype) in the forward; the backward adds the gradient into param.grad
+    itself, converting as it adds, and passes nothing on."""
+
+    @staticmethod
+    def forward(ctx, param, copy):
+        ctx.param = param
+        return copy.detach()   # a new tensor on the copy's storage, for autograd to attach this node to
+
+    @staticmethod
+    def backward(ctx, grad):
+        param = ctx.param
+        if param.grad is None:
+            param.grad = torch.empty_like(param).copy_(grad)   # the parameter's layout, as autograd would
+        else:
+            param.grad.add_(grad)
+        return None, None
 
 
 def is_sharded(tensor: torch.Tensor) -> bool:

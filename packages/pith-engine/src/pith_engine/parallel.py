@@ -92,7 +92,7 @@ class Parallel:
         if num_experts % self.ep:
             raise LayoutError(f"num_experts={num_experts} cannot be split over ep={self.ep} ranks; "
                               f"choose ep dividing {num_experts}")
-        if num_layers < 2 * self.pp:
+        if self.pp > 1 and num_layers < 2 * self.pp:
             raise LayoutError(f"num_hidden_layers={num_layers} is fewer than the 2 x pp = {2 * self.pp} pipeline chunks "
                               f"DualPipeV needs; choose pp <= {num_layers // 2}")
         if num_heads % self.cp:

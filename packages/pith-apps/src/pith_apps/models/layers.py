@@ -9,7 +9,6 @@ import zlib
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pith_ops.cross_entropy import linear_cross_entropy
 from pith_ops.grouped_gemm import grouped_linear
@@ -86,15 +85,13 @@ def apply_rotary(x, cos, sin):
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
-# cuDNN first: on Hopper it is the fastest SDPA kernel for these shapes, and the only fast one for MLA's
-# query/key 192 vs value 128 head dims (flash has none, efficient is ~9x slower: shared/reference/PERF.md)
-SDPA_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-
-
 def causal_attention(q, k, v, scale: float, enable_gqa: bool = False):
-    """Causal SDPA, q [batch, heads, seq, dim], k and v [batch, kv_heads, seq, dim]; never materializes scores on GPU."""
-    with sdpa_kernel(SDPA_BACKENDS, set_priority=True):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa)
+    """Causal SDPA, q [batch, heads, seq, dim], k and v [batch, kv_heads, seq, dim]; never materializes scores on GPU.
+    The backend is torch's choice, made once per process at the first CUDA call: cuDNN first on Hopper and
+    Blackwell, the only fast kernel there for MLA's query/key 192 vs value 128 head dims (bench/RESULTS.md).
+    No sdpa_kernel context here: one around that first call restores, on exit, the order from before torch made
+    its choice, which keeps the whole process off cuDNN (transformers' DeepSeek-V2 step then ran 1/3 slower)."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa)
 
 
 class MoeDecoderLayer(nn.Module):

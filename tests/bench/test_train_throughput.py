@@ -1,0 +1,45 @@
+"""The benchmark harness (bench/train_throughput.py) on the CPU at the tiny presets: every configuration runs
+in a fresh process of its own while the driver imports no torch at all, and the parity mode's two sides
+(transformers and the app from the same saved weights) follow each other."""
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "train_throughput.py"
+TINY = ["--device", "cpu", "--preset", "tiny", "--families", "qwen3", "--layers", "1", "--seq", "32"]
+# run the driver as a script, then report whether it ever imported torch
+DRIVER = ("import runpy, sys; sys.argv = {argv!r}; runpy.run_path({path!r}, run_name='__main__'); "
+          "print('TORCH_IMPORTED', 'torch' in sys.modules)")
+
+
+def drive(tmp_path, *flags):
+    argv = [str(BENCH), *TINY, *flags]
+    result = subprocess.run([sys.executable, "-c", DRIVER.format(argv=argv, path=str(BENCH))], capture_output=True,
+                            text=True, env={**__import__("os").environ, "OUT": str(tmp_path)})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1] == "TORCH_IMPORTED False"
+    return result
+
+
+def test_each_configuration_is_measured_in_a_fresh_process_of_its_own(tmp_path):
+    drive(tmp_path, "--steps", "3", "--accum", "1", "2", "--precision", "mixed")
+    table = json.loads((tmp_path / "train_throughput.json").read_text())
+    rows = table["rows"]
+    assert sorted((r["side"], r["accum"]) for r in rows) == [("hf", 1), ("hf", 2), ("pith", 1), ("pith", 2)]
+    assert [r["attention"] for r in rows if r["side"] == "hf"] == ["sdpa", "sdpa"]
+    assert all("error" not in r for r in rows), rows
+    assert len({r["pid"] for r in rows}) == 4 and all(r["fresh"] for r in rows)
+    assert table["peak_tflops"] > 0
+    for r in rows:
+        assert r["tok_s"] > 0 and r["mfu_pct"] > 0 and len(r["losses"]) == 3
+        assert all(math.isfinite(x) and 4.0 < x < 7.0 for x in r["losses"])   # near ln(257) = 5.55 at init
+
+
+def test_parity_mode_the_app_follows_transformers_from_the_same_weights(tmp_path):
+    drive(tmp_path, "--parity", "--precision", "mixed")
+    (row,) = json.loads((tmp_path / "parity.json").read_text())["rows"]
+    assert len(row["pith"]) == len(row["hf"]) == 20, row
+    assert row["init_gap_pct"] < 1.0 and row["max_gap_pct"] < 2.0, row   # the GPU check's tolerances
+    assert row["hf"][-1] < row["hf"][0] - 0.3   # both sides learn: the comparison is not of two flat lines
