@@ -171,10 +171,40 @@ def measure(c: dict) -> dict:
         times.append(time.perf_counter() - tic)
     timed = sorted(times[2:]) or times
     median = timed[len(timed) // 2]
-    row |= dict(step_s=round(median, 4), tok_s=round(c["accum"] * c["seq"] / median), losses=[round(x, 4) for x in losses])
+    row |= dict(step_s=round(median, 4), step_s_range=[round(timed[0], 4), round(timed[-1], 4)],
+                tok_s=round(c["accum"] * c["seq"] / median), losses=[round(x, 4) for x in losses])
     if cuda:
         row["peak_mem_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
+    if c.get("profile"):
+        name = f"profile_{c['side']}_{c['family']}_{c['precision']}_{c['accum']}.txt"
+        row["gpu"] = profile_step(lambda: step(len(steps) + 1, *steps[-1]), Path(os.environ.get("OUT", "."), name))
     return row
+
+
+def profile_step(run_step, path: Path) -> dict:
+    """One more step under torch.profiler: its kernels, largest total first, written to path; returns how much
+    of the step's span the GPU was busy (the union of kernel times) and its idle gaps over 50 us."""
+    import torch
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
+                                                          if torch.cuda.is_available() else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        run_step()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    kernels = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                     if e.device_type == torch.autograd.DeviceType.CUDA)
+    busy, gaps, end = 0.0, [], kernels[0][0] if kernels else 0.0
+    for start, stop in kernels:
+        if start > end:
+            gaps.append(start - end)
+        busy += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    summary = dict(span_ms=round((end - kernels[0][0]) / 1e3, 2) if kernels else 0.0, busy_ms=round(busy / 1e3, 2),
+                   gaps_over_50us=sum(g > 50 for g in gaps), idle_in_those_ms=round(sum(g for g in gaps if g > 50) / 1e3, 2))
+    sort_by = "cuda_time_total" if kernels else "cpu_time_total"
+    table = prof.key_averages().table(sort_by=sort_by, row_limit=50, max_name_column_width=90)
+    path.write_text(json.dumps(summary) + "\n" + table)
+    return summary
 
 
 def matmul_peak(device: str) -> float:
@@ -207,7 +237,7 @@ def isolated(config: dict) -> dict:
 
 
 def configurations(args) -> list[dict]:
-    base = dict(layers=args.layers, seq=args.seq, steps=args.steps, device=args.device, lr=1e-4)
+    base = dict(layers=args.layers, seq=args.seq, steps=args.steps, device=args.device, lr=1e-4, profile=args.profile)
     return [base | dict(side=side, family=family, preset=args.preset or REAL[family], accum=accum, precision=precision)
             for family in args.families for precision in args.precision for accum in args.accum
             for side in ("pith", "hf")]
@@ -285,6 +315,8 @@ def main():
     parser.add_argument("--repeats", type=int, default=1, help="times the whole table is run")
     parser.add_argument("--preset", help="another preset than the real one (e.g. tiny, for a CPU check)")
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--profile", action="store_true", help="also profile one more step of each run: "
+                        "$OUT/profile_<side>_<family>_<precision>_<accum>.txt and the row's GPU busy / idle time")
     parser.add_argument("--parity", action="store_true")
     parser.add_argument("--sdpa-check", action="store_true")
     args = parser.parse_args()

@@ -24,7 +24,7 @@ def drive(tmp_path, *flags):
 
 
 def test_each_configuration_is_measured_in_a_fresh_process_of_its_own(tmp_path):
-    drive(tmp_path, "--steps", "3", "--accum", "1", "2", "--precision", "mixed")
+    drive(tmp_path, "--steps", "3", "--accum", "1", "2", "--precision", "mixed", "--profile")
     table = json.loads((tmp_path / "train_throughput.json").read_text())
     rows = table["rows"]
     assert sorted((r["side"], r["accum"]) for r in rows) == [("hf", 1), ("hf", 2), ("pith", 1), ("pith", 2)]
@@ -32,6 +32,8 @@ def test_each_configuration_is_measured_in_a_fresh_process_of_its_own(tmp_path):
     assert all("error" not in r for r in rows), rows
     assert len({r["pid"] for r in rows}) == 4 and all(r["fresh"] for r in rows)
     assert table["peak_tflops"] > 0
+    profile = (tmp_path / "profile_pith_qwen3_mixed_2.txt").read_text()   # one more step of our model, profiled
+    assert "_GroupedLinearBackward" in profile and json.loads(profile.splitlines()[0])["busy_ms"] == 0.0   # no GPU
     for r in rows:
         assert r["tok_s"] > 0 and r["mfu_pct"] > 0 and len(r["losses"]) == 3
         assert all(math.isfinite(x) and 4.0 < x < 7.0 for x in r["losses"])   # near ln(257) = 5.55 at init

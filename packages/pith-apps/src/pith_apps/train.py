@@ -280,6 +280,8 @@ def train_step(args, parallel: Parallel, device, model, optimizer, number: int, 
     step's loss, the gradient norm before the clip and whether any rank was asked to stop (loss and stop the same
     on every rank); ConfigError when the loss or the updated weights are not finite (before anything is saved)."""
     tokens = (labels != -100).sum().item()   # of the global batch: each micro-batch's loss is its share of the mean
+    if device.type == "cuda":   # one copy a step that does not wait: a blocking one waits for the GPU to drain
+        input_ids, labels = (t.pin_memory().to(device, non_blocking=True) for t in (input_ids, labels))
     loss = torch.zeros((), device=device)
     for ids, targets in micro_batches_of(args, parallel, input_ids, labels):
         micro_loss = model.loss_sum(ids.to(device), targets.to(device)) / tokens
