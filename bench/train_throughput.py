@@ -311,7 +311,7 @@ def main():
     parser.add_argument("--precision", nargs="+", default=["bf16", "mixed"], choices=["bf16", "mixed"])
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--seq", type=int, default=4096)
-    parser.add_argument("--steps", type=int, default=6, help="steps per run; the first 2 are not timed")
+    parser.add_argument("--steps", type=int, default=8, help="steps per run; the first 2 are not timed")
     parser.add_argument("--repeats", type=int, default=1, help="times the whole table is run")
     parser.add_argument("--preset", help="another preset than the real one (e.g. tiny, for a CPU check)")
     parser.add_argument("--device", default="cuda")
