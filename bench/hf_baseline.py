@@ -13,13 +13,15 @@ ATTENTION = {"gpt_oss": ("flex_attention", "sdpa", "eager"), "qwen3_moe": ("sdpa
              "deepseek_v2": ("sdpa", "eager")}
 
 
-def hf_model(preset: dict, precision: str, device: str, attention: str):
+def hf_model(preset: dict, precision: str, device: str, attention: str, weights: str | None = None):
+    """Drawn from the preset, or loaded from the saved weights in the folder `weights`."""
     import transformers
-    config = transformers.AutoConfig.for_model(**preset)
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    choices = dict(attn_implementation=attention, experts_implementation="grouped_mm", dtype=dtype)
+    if weights:
+        return transformers.AutoModelForCausalLM.from_pretrained(weights, **choices).to(device)
     with torch.device(device):   # initialized where it lives: a CPU init of billions of values takes minutes
-        return transformers.AutoModelForCausalLM.from_config(
-            config, attn_implementation=attention, experts_implementation="grouped_mm", dtype=dtype)
+        return transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**preset), **choices)
 
 
 def hf_step(model, optimizer, ids: torch.Tensor, precision: str) -> float:
@@ -41,13 +43,13 @@ def hf_optimizer(model, lr: float) -> torch.optim.AdamW:
                              fused=next(model.parameters()).is_cuda)
 
 
-def hf_setup(preset: dict, precision: str, device: str, ids: torch.Tensor):
+def hf_setup(preset: dict, precision: str, device: str, ids: torch.Tensor, weights: str | None = None):
     """(model, attention) with the first attention implementation that runs a forward and backward here;
     the trial's gradients are dropped."""
     failures = []
     for attention in ATTENTION[preset["model_type"]]:
         try:
-            model = hf_model(preset, precision, device, attention)
+            model = hf_model(preset, precision, device, attention, weights)
             with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=precision == "mixed"):
                 loss = model(input_ids=ids[:1], labels=ids[:1]).loss
             loss.backward()

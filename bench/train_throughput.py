@@ -122,7 +122,8 @@ def pith_setup(c: dict, preset: dict, hf_weights: str | None = None):
 def hf_setup_step(c: dict, preset: dict, first_ids, save_to: str | None = None):
     import torch
     from hf_baseline import hf_optimizer, hf_setup, hf_step
-    model, attention = hf_setup(preset, "bf16" if save_to else c["precision"], c["device"], first_ids.to(c["device"]))
+    model, attention = hf_setup(preset, "bf16" if save_to else c["precision"], c["device"], first_ids.to(c["device"]),
+                                c.get("hf_weights"))
     if save_to:   # the parity run: weights saved as drawn in bf16, then trained in the run's precision
         model.save_pretrained(save_to)
         model.to(torch.float32 if c["precision"] == "mixed" else torch.bfloat16)
@@ -274,7 +275,8 @@ def print_table(rows: list[dict]):
 
 def parity(args) -> dict:
     """Per family and precision: transformers draws bf16 weights, saves them and trains 20 steps; the app
-    loads the same weights and trains on the same batches. Aux losses off on both sides."""
+    loads the same weights and trains on the same batches. Aux losses off on both sides. For scale, transformers
+    also trains from those weights in the other precision: how far two correct runs drift apart."""
     rows = []
     for family, precision in [(f, p) for f in args.families for p in args.precision]:
         folder = tempfile.mkdtemp(prefix=f"parity-{family}-")
@@ -282,12 +284,14 @@ def parity(args) -> dict:
                     accum=1, device=args.device, lr=1e-4, precision=precision, aux=False, corpus=True)
         theirs = isolated(base | dict(side="hf", save_to=folder))
         ours = isolated(base | dict(side="pith", hf_weights=folder))
+        other = isolated(base | dict(side="hf", hf_weights=folder, precision={"bf16": "mixed"}.get(precision, "bf16")))
         shutil.rmtree(folder)
         row = dict(family=family, precision=precision, hf=theirs.get("losses") or theirs.get("error"),
-                   pith=ours.get("losses") or ours.get("error"))
-        if "losses" in theirs and "losses" in ours:
-            gaps = [abs(a - b) / b for a, b in zip(ours["losses"], theirs["losses"])]
-            row |= dict(init_gap_pct=round(100 * gaps[0], 3), max_gap_pct=round(100 * max(gaps), 3))
+                   pith=ours.get("losses") or ours.get("error"), hf_other_precision=other.get("losses") or other.get("error"))
+        for name, run in (("", ours), ("hf_other_precision_", other)):
+            if "losses" in theirs and "losses" in run:
+                gaps = [abs(a - b) / b for a, b in zip(run["losses"], theirs["losses"])]
+                row |= {f"{name}init_gap_pct": round(100 * gaps[0], 3), f"{name}max_gap_pct": round(100 * max(gaps), 3)}
         rows.append(row)
         print(json.dumps(row), flush=True)
     return dict(rows=rows)

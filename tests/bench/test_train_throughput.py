@@ -45,3 +45,5 @@ def test_parity_mode_the_app_follows_transformers_from_the_same_weights(tmp_path
     assert len(row["pith"]) == len(row["hf"]) == 20, row
     assert row["init_gap_pct"] < 1.0 and row["max_gap_pct"] < 2.0, row   # the GPU check's tolerances
     assert row["hf"][-1] < row["hf"][0] - 0.3   # both sides learn: the comparison is not of two flat lines
+    # transformers from the same weights in bf16 drifts from itself in mixed precision (seen 0.6%): the scale
+    assert len(row["hf_other_precision"]) == 20 and 0 < row["hf_other_precision_max_gap_pct"] < 5, row
