@@ -53,7 +53,8 @@ class ComputeCasts:
     its parameter has changed (an optimizer step, a load) and reused by the other micro-batches of the step;
     its backward adds the gradient into the fp32 `.grad` in one pass (AddIntoGrad), where a cast in the
     graph would write an fp32 gradient and then add it. The copies stay alive between forwards: they are
-    the tensors each backward needs anyway."""
+    the tensors each backward needs anyway. A change is seen through the parameter's version counter, which
+    every in-place write bumps (optimizer steps, loads, init) except one made through `.data`."""
 
     def __init__(self, dtype: torch.dtype):
         self.dtype, self.swapped, self.copies = dtype, [], {}
