@@ -13,8 +13,11 @@ gradients are reduced in fp32 as a sum, not a mean, because each rank's loss is 
 global token count. After sharding, every parameter element lives on exactly one rank (per pipeline
 stage), which is what makes the clip's all-reduced sum of squares exact.
 """
+import weakref
+
 import torch
 import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from pith_engine.parallel import Parallel
 
@@ -52,12 +55,14 @@ class ComputeCasts:
     is swapped for its copy in dtype (as torch.func.functional_call swaps tensors in). A copy is made when
     its parameter has changed (an optimizer step, a load) and reused by the other micro-batches of the step;
     its backward adds the gradient into the fp32 `.grad` in one pass (AddIntoGrad), where a cast in the
-    graph would write an fp32 gradient and then add it. The copies stay alive between forwards: they are
-    the tensors each backward needs anyway. A change is seen through the parameter's version counter, which
-    every in-place write bumps (optimizer steps, loads, init) except one made through `.data`."""
+    graph would write an fp32 gradient and then add it. The copies are dropped after every optimizer step
+    (fused AdamW writes the parameters without bumping their version counters); other changes are seen
+    through the version counter, which every in-place write bumps (loads, init) except one through `.data`."""
 
     def __init__(self, dtype: torch.dtype):
         self.dtype, self.swapped, self.copies = dtype, [], {}
+        hook = register_optimizer_step_post_hook(forget_copies_of(weakref.ref(self)))
+        weakref.finalize(self, hook.remove)
 
     def register(self, model: torch.nn.Module):
         model.register_forward_pre_hook(self.cast)
@@ -81,6 +86,16 @@ class ComputeCasts:
         for module, name, param in self.swapped:
             module._parameters[name] = param
         self.swapped.clear()
+
+
+def forget_copies_of(casts_ref):
+    """An optimizer-step hook that drops the copies of the ComputeCasts behind the weak reference (a weak one,
+    so that the hook, which torch keeps for the process, does not keep the copies alive)."""
+    def hook(optimizer, args, kwargs):
+        casts = casts_ref()
+        if casts is not None:
+            casts.copies.clear()
+    return hook
 
 
 class AddIntoGrad(torch.autograd.Function):
