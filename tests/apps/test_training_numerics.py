@@ -136,11 +136,11 @@ def test_accumulated_micro_batches_give_the_gradient_of_the_whole_step(family, m
         assert relative_error(grad, expected[name]) < 1e-5, name
 
 
-def test_sequence_balancing_is_the_same_for_any_split_of_the_step():
-    """With one balancing unit per sequence the step's loss does not depend on the split: 4 micro-batches of
-    one sequence give the gradient of one batch of four, the aux loss included (1e-5, float32)."""
-    whole = tiny("qwen3", "sequence")
-    split = tiny("qwen3", "sequence", micro_batches=BATCH)
+def whole_and_split(family, balance):
+    """One batch of BATCH sequences and the same batch as BATCH micro-batches of one, each backward run;
+    asserts their gradients agree (1e-5, float32) and returns both models."""
+    whole = tiny(family, balance)
+    split = tiny(family, balance, micro_batches=BATCH)
     ids, labels = batch(whole.config.vocab_size)
     (whole.loss_sum(ids, labels) / labels.numel()).backward()
     for row in range(BATCH):
@@ -148,20 +148,19 @@ def test_sequence_balancing_is_the_same_for_any_split_of_the_step():
     expected = gradients(whole)
     for name, grad in gradients(split).items():
         assert relative_error(grad, expected[name]) < 1e-5, name
+    return whole, split
+
+
+def test_sequence_balancing_is_the_same_for_any_split_of_the_step():
+    """With one balancing unit per sequence the step's loss does not depend on the split: 4 micro-batches of
+    one sequence give the gradient of one batch of four, the aux loss included (1e-5, float32)."""
+    whole_and_split("qwen3", "sequence")
 
 
 def test_aux_free_counts_every_micro_batch_of_the_step():
     """aux_free attaches no loss: 4 micro-batches of one sequence give the one-batch gradient (1e-5, float32)
     and, as their loads add up before the step's bias update, exactly the one-batch biases."""
-    whole = tiny("deepseek_v2", "aux_free")
-    split = tiny("deepseek_v2", "aux_free", micro_batches=BATCH)
-    ids, labels = batch(whole.config.vocab_size)
-    (whole.loss_sum(ids, labels) / labels.numel()).backward()
-    for row in range(BATCH):
-        (split.loss_sum(ids[row:row + 1], labels[row:row + 1]) / labels.numel()).backward()
-    expected = gradients(whole)
-    for name, grad in gradients(split).items():
-        assert relative_error(grad, expected[name]) < 1e-5, name
+    whole, split = whole_and_split("deepseek_v2", "aux_free")
     update_expert_bias(whole)
     update_expert_bias(split)
     biases = [[b for n, b in model.named_buffers() if n.endswith("expert_bias")] for model in (whole, split)]

@@ -284,7 +284,7 @@ def train_step(args, parallel: Parallel, device, model, optimizer, number: int, 
         input_ids, labels = (t.pin_memory().to(device, non_blocking=True) for t in (input_ids, labels))
     loss = torch.zeros((), device=device)
     for ids, targets in micro_batches_of(args, parallel, input_ids, labels):
-        micro_loss = model.loss_sum(ids.to(device), targets.to(device)) / tokens
+        micro_loss = model.loss_sum(ids, targets) / tokens
         micro_loss.backward()
         loss += micro_loss.detach()
     grad_norm = clip_grad_norm(model.parameters(), args.clip)
