@@ -98,14 +98,10 @@ def pith_setup(c: dict, preset: dict, hf_weights: str | None = None):
         check_args(args)
         cfg, model_cls = model_config(args), MODELS[args.model][1]
     parallel, device = layout(args)
-    if c["precision"] == "mixed":
-        model = build_model(model_cls, cfg, parallel, device, torch.bfloat16, args.seed, args.seq_len,
-                            micro_batches=c["accum"])
-    else:
-        with torch.device("meta"):
-            model = model_cls(cfg, parallel, micro_batches=c["accum"])
-        model.to_empty(device=device)
-        model.init_weights(args.seed)
+    mixed = c["precision"] == "mixed"   # else: the fp32 model, built without compute casts, then cast to bf16
+    model = build_model(model_cls, cfg, parallel, device, torch.bfloat16 if mixed else torch.float32, args.seed,
+                        args.seq_len, micro_batches=c["accum"])
+    if not mixed:
         model.to(torch.bfloat16)
     if hf_weights:
         from pith_apps.hf_checkpoint import load_hf_weights

@@ -160,16 +160,20 @@ def checksums(folder: Path) -> dict[str, list[int]]:
     return {p.name: [p.stat().st_size, crc] for p, crc in zip(files, crcs)}
 
 
+def saved_checkpoints(directory: str | Path) -> list[tuple[Path, dict]]:
+    """(checkpoint, its meta) under directory whose meta.json reads, the most recently saved last."""
+    found = []
+    for path in Path(directory).glob("step-????????"):
+        with contextlib.suppress(CheckpointError):
+            found.append((path, read_meta(path)))
+    return sorted(found, key=lambda item: item[1].get("saved_at", 0))
+
+
 def prune(directory: Path, run):
     """Delete the checkpoints of lineage `run` beyond the KEEP most recently saved; an unreadable one or one of
     another run is never deleted."""
-    mine = []
-    for path in directory.glob("step-????????"):
-        with contextlib.suppress(CheckpointError):
-            meta = read_meta(path)
-            if meta.get("run") == run:
-                mine.append((meta.get("saved_at", 0), path))
-    for _, path in sorted(mine)[:-KEEP]:
+    mine = [path for path, meta in saved_checkpoints(directory) if meta.get("run") == run]
+    for path in mine[:-KEEP]:
         shutil.rmtree(path)
 
 
@@ -231,11 +235,7 @@ def damage(checkpoint: str | Path, share: tuple[int, int] = (0, 1)) -> str | Non
 
 def newest_good(directory: str | Path, skip: Path | None = None) -> Path | None:
     """The most recently saved checkpoint under directory that is as it was written (every file checked)."""
-    saved = []
-    for path in Path(directory).glob("step-????????"):
-        with contextlib.suppress(CheckpointError):
-            saved.append((read_meta(path).get("saved_at", 0), path))
-    return next((path for _, path in sorted(saved, reverse=True) if path != skip and damage(path) is None), None)
+    return next((path for path, _ in reversed(saved_checkpoints(directory)) if path != skip and damage(path) is None), None)
 
 
 def load(checkpoint: str | Path, model, optimizer) -> dict:
