@@ -1,5 +1,6 @@
 """pith-ops kernels on one GPU: bandwidth of the memory-bound kernels against the measured device copy,
-grouped GEMM TFLOP/s at real expert shapes against torch's grouped_mm and the measured bf16 peak, and the
+grouped GEMM TFLOP/s at real expert shapes against torch's grouped_mm and the measured bf16 peak, the expert
+weight gradient added into an fp32 master gradient (torch's grouped_mm + add_ against ours), and the
 fused LM-head cross-entropy's time and peak memory against torch's logits + F.cross_entropy.
 
 Run on the device machine from the repo root:
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 from triton.testing import do_bench, do_bench_cudagraph
 
 from pith_ops.cross_entropy import linear_cross_entropy
-from pith_ops.grouped_gemm import grouped_dgrad, grouped_linear, grouped_wgrad, segment_sum
+from pith_ops.grouped_gemm import _triton_wgrad, add_wgrad_into, grouped_dgrad, grouped_linear, grouped_wgrad, segment_sum
 from pith_ops.swiglu import clamped_swiglu, swiglu, swiglu_backward
 from pith_ops.token_permute import (combine_backward_op, combine_tokens, dispatch_backward_op, dispatch_tokens,
                                     sort_by_expert)
@@ -127,6 +128,27 @@ def bench_grouped_gemm(peak, name, tokens, top_k, experts, hidden, inter):
                    of_peak=round(tflops / peak, 3))
 
 
+WGRAD_TILES = [(128, 128, 64, 4, 3), (128, 128, 64, 8, 3), (128, 128, 32, 4, 4), (128, 256, 64, 8, 3),
+               (256, 128, 64, 8, 3), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4), (64, 64, 64, 4, 4)]
+
+
+def bench_wgrad_into(name, experts, slots, n_out, n_in):
+    """One micro-batch's expert weight gradient added into the fp32 master gradient: torch's grouped_mm (bf16
+    out) then add_, against add_wgrad_into, and the Triton kernel's tile shapes (BM, BN, BK, warps, stages)."""
+    offs = torch.cumsum(torch.bincount(torch.randint(0, experts, (slots,), device=DEV), minlength=experts), 0,
+                        dtype=torch.int32)
+    grad, x = torch.randn(slots, n_out, device=DEV, dtype=BF16), torch.randn(slots, n_in, device=DEV, dtype=BF16)
+    master = torch.nn.Parameter(torch.zeros(experts, n_out, n_in, device=DEV))
+    master.grad = torch.zeros_like(master)
+    row = dict(kernel=f"wgrad into fp32 grad, {name}", experts=experts, slots=slots, n_out=n_out, n_in=n_in,
+               torch_grouped_mm_then_add_ms=round(ms(lambda: master.grad.add_(grouped_wgrad(grad, x, offs))), 3),
+               add_wgrad_into_ms=round(ms(lambda: add_wgrad_into(master, grad, x, offs)), 3))
+    for tiles in WGRAD_TILES:
+        row[str(tiles)] = round(ms(lambda: _triton_wgrad(grad, x, offs, master.grad, True, blocks=tiles[:3],
+                                                         num_warps=tiles[3], num_stages=tiles[4])), 3)
+    report(**row)
+
+
 def bench_cross_entropy(tokens=4096, hidden=2048, vocab=151936):
     h = torch.randn(tokens, hidden, device=DEV, dtype=BF16, requires_grad=True)
     w = (torch.randn(vocab, hidden, device=DEV, dtype=BF16) * 0.02).requires_grad_()
@@ -163,6 +185,11 @@ if __name__ == "__main__":
     bench_memory_bound(copy)
     bench_grouped_gemm(peak, "Qwen3-30B-A3B", tokens=4096, top_k=8, experts=128, hidden=2048, inter=768)
     bench_grouped_gemm(peak, "DeepSeek-V2-Lite", tokens=4096, top_k=6, experts=64, hidden=2048, inter=1408)
+    for name, experts, slots, hidden, inter in (("Qwen3-30B-A3B", 128, 32768, 2048, 768),
+                                                ("DeepSeek-V2-Lite", 64, 24576, 2048, 1408),
+                                                ("GPT-OSS-20B", 32, 16384, 2880, 2880)):
+        bench_wgrad_into(f"{name} gate_up", experts, slots, 2 * inter, hidden)
+        bench_wgrad_into(f"{name} down", experts, slots, hidden, inter)
     bench_cross_entropy()
     if os.environ.get("OUT"):
         json.dump(dict(torch=torch.__version__, gpu=torch.cuda.get_device_name(), rows=ROWS),

@@ -5,18 +5,20 @@ script started again with --one, so no compiled code, allocator state or global 
 reaches another (transformers measured right after our compiled model in one process ran up to a third
 slower than alone). This process imports neither torch nor either side.
 
-Full width, 4 decoder layers (the real presets cut), 4096-token sequences of the bundled corpus (byte
-tokens), a step of `accum` micro-batches of one sequence; median of the steps after 2 warm-ups. Our side
-runs the app's own `train_step` on the app's model: precision "mixed" is the app's (fp32 master weights,
-gradients and AdamW state, bf16 compute), "bf16" the same step with the model cast to bf16. The baseline
-(bench/hf_baseline.py) does the matching transformers step. MFU: model FLOPs per token (6 x the matmul
-weights a token passes through: attention, router, active and shared experts, LM head; plus causal
-attention scores, a sliding window's only up to its width) against the bf16 matmul peak measured here.
+Full width, 4 decoder layers (the real presets cut), 4096-token sequences of uniform random tokens, a step of
+`accum` micro-batches of one sequence; median of the steps after 2 warm-ups (6 timed steps of 8 micro-batches,
+as many micro-batches' worth of shorter steps: 48 of one). Our side runs the app's own `train_step` on the
+app's model: precision "mixed" is the app's (fp32 master weights, gradients and AdamW state, bf16 compute),
+"bf16" the same step with the model cast to bf16. The baseline (bench/hf_baseline.py) does the matching
+transformers step. MFU: model FLOPs per token (6 x the matmul weights a token passes through: attention,
+router, active and shared experts, LM head; plus causal attention scores, a sliding window's only up to its
+width) against the bf16 matmul peak measured here.
 
   PYTHONPATH=packages/pith-ops/src:packages/pith-engine/src:packages/pith-apps/src \
     python3 bench/train_throughput.py [--families qwen3] [--accum 1 8] [--precision bf16 mixed] [--repeats 2]
-  ... --parity [--precision mixed]: from the same transformers weights, our loss over 20 AdamW steps
-      against transformers'
+        [--sides pith] [--profile]
+  ... --parity [--precision mixed]: from the same transformers weights, our loss over 20 AdamW steps on
+      the bundled corpus (byte tokens) against transformers'
   ... --sdpa-check: transformers alone, and after one call of our causal attention in its process
 
 Writes $OUT/train_throughput.json (or parity.json, sdpa_check.json) when OUT is set.
@@ -199,7 +201,7 @@ def profile_step(run_step, path: Path) -> dict:
     summary = dict(span_ms=round((end - kernels[0][0]) / 1e3, 2) if kernels else 0.0, busy_ms=round(busy / 1e3, 2),
                    gaps_over_50us=sum(g > 50 for g in gaps), idle_in_those_ms=round(sum(g for g in gaps if g > 50) / 1e3, 2))
     sort_by = "cuda_time_total" if kernels else "cpu_time_total"
-    table = prof.key_averages().table(sort_by=sort_by, row_limit=50, max_name_column_width=90)
+    table = prof.key_averages().table(sort_by=sort_by, row_limit=120, max_name_column_width=90)
     path.write_text(json.dumps(summary) + "\n" + table)
     return summary
 
@@ -234,10 +236,11 @@ def isolated(config: dict) -> dict:
 
 
 def configurations(args) -> list[dict]:
-    base = dict(layers=args.layers, seq=args.seq, steps=args.steps, device=args.device, lr=1e-4, profile=args.profile)
-    return [base | dict(side=side, family=family, preset=args.preset or REAL[family], accum=accum, precision=precision)
+    base = dict(layers=args.layers, seq=args.seq, device=args.device, lr=1e-4, profile=args.profile)
+    return [base | dict(side=side, family=family, preset=args.preset or REAL[family], accum=accum, precision=precision,
+                        steps=args.steps or 2 + 6 * -(-8 // accum))
             for family in args.families for precision in args.precision for accum in args.accum
-            for side in ("pith", "hf")]
+            for side in args.sides]
 
 
 def throughput_table(args) -> dict:
@@ -257,15 +260,15 @@ def throughput_table(args) -> dict:
 
 def print_table(rows: list[dict]):
     print("\nfamily       precision  accum repeat  pith tok/s   hf tok/s  speedup  pith MFU  hf MFU  pith GiB  hf GiB")
-    ours = [r for r in rows if r["side"] == "pith"]
-    for r in ours:
-        theirs = next(t for t in rows if t["side"] == "hf" and all(t.get(k) == r.get(k) for k in
-                                                                      ("family", "precision", "accum", "repeat")))
+    for r in [r for r in rows if r["side"] == "pith"]:
+        theirs = next((t for t in rows if t["side"] == "hf" and all(t.get(k) == r.get(k) for k in
+                                                                       ("family", "precision", "accum", "repeat"))), {})
         if "error" in r or "error" in theirs:
             print(f"{r['family']:<12} {r['precision']:<10} {r['accum']:>5}  error: {r.get('error') or theirs['error']}")
             continue
+        speedup = f"{r['tok_s'] / theirs['tok_s']:>6.2f}x" if theirs else "      -"
         print(f"{r['family']:<12} {r['precision']:<10} {r['accum']:>5} {r['repeat']:>6}  {r['tok_s']:>10,} "
-              f"{theirs['tok_s']:>10,}  {r['tok_s'] / theirs['tok_s']:>6.2f}x  {r['mfu_pct']:>7}%  {theirs['mfu_pct']:>5}%"
+              f"{format(theirs['tok_s'], ',') if theirs else '-':>10}  {speedup}  {r['mfu_pct']:>7}%  {theirs.get('mfu_pct', '-'):>5}%"
               f"  {r.get('peak_mem_gib', '-'):>8}  {theirs.get('peak_mem_gib', '-'):>6}")
 
 
@@ -296,7 +299,7 @@ def parity(args) -> dict:
 def sdpa_check(args) -> dict:
     """transformers' DeepSeek-V2-Lite step alone, and after one call of our causal attention in its process."""
     base = dict(side="hf", family="deepseek_v2", preset=args.preset or REAL["deepseek_v2"], layers=args.layers,
-                seq=args.seq, steps=args.steps, accum=1, device=args.device, lr=1e-4, precision="bf16")
+                seq=args.seq, steps=args.steps or 8, accum=1, device=args.device, lr=1e-4, precision="bf16")
     rows = [isolated(base | dict(touch_attention=touched)) for touched in (False, True, False, True)]
     for row in rows:
         print(json.dumps({k: v for k, v in row.items() if k != "losses"}), flush=True)
@@ -309,9 +312,11 @@ def main():
     parser.add_argument("--families", nargs="+", default=list(REAL), choices=list(REAL))
     parser.add_argument("--accum", nargs="+", type=int, default=[1, 8])
     parser.add_argument("--precision", nargs="+", default=["bf16", "mixed"], choices=["bf16", "mixed"])
+    parser.add_argument("--sides", nargs="+", default=["pith", "hf"], choices=["pith", "hf"])
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--seq", type=int, default=4096)
-    parser.add_argument("--steps", type=int, default=8, help="steps per run; the first 2 are not timed")
+    parser.add_argument("--steps", type=int, help="steps per run, the first 2 not timed (default: 2 + 6 x ceil(8 / "
+                        "accum): two runs of 6 timed single-micro-batch steps differed by 5%%)")
     parser.add_argument("--repeats", type=int, default=1, help="times the whole table is run")
     parser.add_argument("--preset", help="another preset than the real one (e.g. tiny, for a CPU check)")
     parser.add_argument("--device", default="cuda")

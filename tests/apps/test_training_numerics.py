@@ -2,18 +2,20 @@
 process, gradient accumulation that gives the gradient of the whole step with the aux losses on, aux-free
 balancing that never picks a masked expert and keeps its fp32 state."""
 import copy
+import weakref
 
 import pytest
 import torch
 
-from conftest import relative_error
+from conftest import KERNEL_DEVICE, relative_error
 from pith_apps.config import read_json
 from pith_apps.models.deepseek_v2 import DeepseekV2Config, DeepseekV2ForCausalLM
-from pith_apps.train import MODELS, PRESETS
+from pith_apps.train import MODELS, PRESETS, build_model, check_args, layout, model_config, parse_args, train_step
 from pith_engine.data_parallel import shard_model
 from pith_engine.moe import LoadBalance, update_expert_bias
 from pith_engine.optim import adamw
 from pith_engine.parallel import Parallel
+from pith_ops.grouped_gemm import grouped_linear
 
 BATCH, SEQ = 4, 16
 
@@ -84,6 +86,53 @@ def test_one_process_casts_once_per_step_and_adds_each_micro_batch_into_the_fp32
     mixed.loss_sum(*batch(mixed.config.vocab_size))
     assert torch.equal(seen[-1], mixed.model.embed_tokens.weight.detach().to(torch.bfloat16))
     assert not torch.equal(seen[-1], seen[0])
+
+
+def test_the_app_step_drops_the_bf16_copies_before_its_last_backward():
+    """So that the last micro-batch's backward frees each copy after its layer: kept, they add the bf16 size of
+    every weight to the step's peak memory."""
+    args = parse_args(["qwen3", "--preset", "tiny", "--batch-size", "2", "--micro-batch-size", "1", "--seq-len",
+                       str(SEQ), "--device", "cpu", "--save-every", "0", "--dtype", "bfloat16"])
+    check_args(args)
+    parallel, device = layout(args)
+    model = build_model(MODELS["qwen3"][1], model_config(args), parallel, device, torch.bfloat16, 0, SEQ,
+                        micro_batches=2)
+    kept, freed = [], []   # copies kept during each micro-batch's backward; copies alive after the step
+    model.model.norm.register_full_backward_pre_hook(lambda module, grad: kept.append(len(model.compute_casts.copies)))
+    model.register_forward_hook(lambda module, args, out: freed.extend(
+        weakref.ref(c) for _, c in model.compute_casts.copies.values()))
+    train_step(args, parallel, device, model, adamw(model, 1e-3, 0.0), 1, *batch(model.config.vocab_size, rows=2),
+               False)
+    assert kept == [len(list(model.parameters())), 0]
+    assert freed and all(ref() is None for ref in freed)
+
+
+class Experts(torch.nn.Module):
+    def __init__(self, experts, out, inp):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(experts, out, inp, device=KERNEL_DEVICE))
+
+    def forward(self, x, tokens_per_expert):
+        return grouped_linear(x, self.weight, tokens_per_expert, use_triton=True)
+
+
+def test_one_process_expert_weight_gradient_is_summed_in_fp32_straight_into_the_master_gradient():
+    """On CUDA the grouped weight-gradient kernel adds each micro-batch's gradient of a bf16 copy straight into
+    the fp32 master's .grad (summed in fp32, never rounded to bf16) and autograd adds nothing more."""
+    torch.manual_seed(3)
+    counts = torch.tensor([17, 0, 70, 1], device=KERNEL_DEVICE)   # an idle expert; 70 rows: two row blocks
+    experts = shard_model(Experts(4, 130, 24), Parallel(), param_dtype=torch.bfloat16)   # 130: a partial tile
+    expected = torch.zeros(4, 130, 24, dtype=torch.float64)
+    for _ in range(3):
+        x = torch.randn(88, 24, device=KERNEL_DEVICE).bfloat16()
+        grad = torch.randn(88, 130, device=KERNEL_DEVICE).bfloat16()
+        experts(x, counts).backward(grad)
+        for e, rows in enumerate(torch.split(torch.arange(88), counts.tolist())):
+            expected[e] += grad[rows].double().T @ x[rows].double()
+    assert experts.weight.grad.dtype == torch.float32
+    # exact bf16 products, fp32 sums of 70 and of 3 terms: ~1e-7; a bf16 rounding per micro-batch would be ~1e-3
+    assert relative_error(experts.weight.grad, expected) < 1e-6
+    assert torch.equal(experts.weight.grad[1], torch.zeros(130, 24, device=KERNEL_DEVICE))
 
 
 def test_one_process_mixed_precision_restores_the_master_weights_after_a_failed_forward():

@@ -26,7 +26,7 @@ from pith_apps.models.deepseek_v2 import DeepseekV2Config, DeepseekV2ForCausalLM
 from pith_apps.models.gpt_oss import GptOssConfig, GptOssForCausalLM
 from pith_apps.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from pith_engine.compile import compile_stages
-from pith_engine.data_parallel import clip_grad_norm, local_part, shard_model
+from pith_engine.data_parallel import clip_grad_norm, drop_compute_copies, local_part, shard_model
 from pith_engine.moe import BALANCE_MODES, update_expert_bias
 from pith_engine.optim import SCHEDULES, adamw, lr_at
 from pith_engine.parallel import LayoutError, Parallel
@@ -283,8 +283,11 @@ def train_step(args, parallel: Parallel, device, model, optimizer, number: int, 
     if device.type == "cuda":   # one copy a step that does not wait: a blocking one waits for the GPU to drain
         input_ids, labels = (t.pin_memory().to(device, non_blocking=True) for t in (input_ids, labels))
     loss = torch.zeros((), device=device)
-    for ids, targets in micro_batches_of(args, parallel, input_ids, labels):
+    micro_batches = list(micro_batches_of(args, parallel, input_ids, labels))
+    for index, (ids, targets) in enumerate(micro_batches, 1):
         micro_loss = model.loss_sum(ids, targets) / tokens
+        if index == len(micro_batches):
+            drop_compute_copies(model)   # the backward below frees each bf16 copy once its layer is done
         micro_loss.backward()
         loss += micro_loss.detach()
     grad_norm = clip_grad_norm(model.parameters(), args.clip)

@@ -17,7 +17,7 @@ import weakref
 
 import torch
 import torch.distributed as dist
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from pith_engine.parallel import Parallel
 
@@ -55,16 +55,19 @@ class ComputeCasts:
     is swapped for its copy in dtype (as torch.func.functional_call swaps tensors in). A copy is made when
     its parameter has changed (an optimizer step, a load) and reused by the other micro-batches of the step;
     its backward adds the gradient into the fp32 `.grad` in one pass (AddIntoGrad), where a cast in the
-    graph would write an fp32 gradient and then add it. The copies are dropped after every optimizer step
-    (fused AdamW writes the parameters without bumping their version counters); other changes are seen
+    graph would write an fp32 gradient and then add it. Each copy names its parameter as `grad_into`, so that
+    a kernel that can add in fp32 itself does (grouped_linear's weight gradient), returning no gradient to
+    autograd. The copies are dropped as every optimizer step starts (fused AdamW writes the parameters
+    without bumping their version counters) or earlier by drop_compute_copies; other changes are seen
     through the version counter, which every in-place write bumps (loads, init) except one through `.data`."""
 
     def __init__(self, dtype: torch.dtype):
         self.dtype, self.swapped, self.copies = dtype, [], {}
-        hook = register_optimizer_step_post_hook(forget_copies_of(weakref.ref(self)))
+        hook = register_optimizer_step_pre_hook(forget_copies_of(weakref.ref(self)))
         weakref.finalize(self, hook.remove)
 
     def register(self, model: torch.nn.Module):
+        model.compute_casts = self   # for drop_compute_copies
         model.register_forward_pre_hook(self.cast)
         model.register_forward_hook(self.restore, always_call=True)   # also when the forward raises
 
@@ -73,7 +76,9 @@ class ComputeCasts:
         known = self.copies.get(id(param))
         if known is None or known[0] != state:
             known = self.copies[id(param)] = (state, param.detach().to(self.dtype))
-        return AddIntoGrad.apply(param, known[1])
+        copy = AddIntoGrad.apply(param, known[1])
+        copy.grad_into = param   # for a kernel that adds its gradient into param.grad itself (grouped_linear)
+        return copy
 
     def cast(self, model, args):
         for module in model.modules():
@@ -86,6 +91,15 @@ class ComputeCasts:
         for module, name, param in self.swapped:
             module._parameters[name] = param
         self.swapped.clear()
+
+
+def drop_compute_copies(model: torch.nn.Module):
+    """Forget the bf16 copies a one-process mixed-precision model keeps for its next forward (nothing on other
+    layouts). For after the step's last forward: its backward then frees each copy once its layer is done,
+    where the kept copies (the bf16 size of every weight) would add to the backward's peak memory."""
+    casts = getattr(model, "compute_casts", None)
+    if casts is not None:
+        casts.copies.clear()
 
 
 def forget_copies_of(casts_ref):
@@ -105,11 +119,14 @@ class AddIntoGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, param, copy):
         ctx.param = param
+        ctx.set_materialize_grads(False)
         return copy.detach()   # a new tensor on the copy's storage, for autograd to attach this node to
 
     @staticmethod
     def backward(ctx, grad):
         param = ctx.param
+        if grad is None:   # its consumers added their gradients into param.grad themselves (grad_into)
+            return None, None
         if param.grad is None:
             param.grad = torch.empty_like(param).copy_(grad)   # the parameter's layout, as autograd would
         else:

@@ -49,27 +49,36 @@ def _grouped_rows_kernel(a_ptr, b_ptr, out_ptr, offs_ptr, tile_expert_ptr, tile_
 
 
 @triton.jit
-def _grouped_wgrad_kernel(g_ptr, x_ptr, out_ptr, offs_ptr, n_out, n_in,
+def _grouped_wgrad_kernel(g_ptr, x_ptr, out_ptr, offs_ptr, n_out, n_in, ACCUMULATE: tl.constexpr,
                           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, UPCAST: tl.constexpr,
                           PRECISION: tl.constexpr):
-    """out[e] = g[rows of e].T @ x[rows of e]: [n_out, n_in] per expert, zero for experts without rows."""
-    expert = tl.program_id(0)
+    """out[e] (+)= g[rows of e].T @ x[rows of e]: [n_out, n_in] per expert. Without ACCUMULATE an expert
+    without rows gets zeros; with it, its tiles are neither read nor written. The fp32 sum of the tile is
+    added to out in out's dtype (fp32 for master gradients), so no bf16 gradient is ever written."""
+    tiles_out, tiles_in = tl.cdiv(n_out, BM), tl.cdiv(n_in, BN)
+    tile = tl.program_id(0)
+    expert = tile // (tiles_out * tiles_in)   # the slowest index: one expert's tiles share its rows in L2
     row_end = tl.load(offs_ptr + expert)
     row_start = tl.load(offs_ptr + expert - 1, mask=expert > 0, other=0)
-    outs = tl.program_id(1) * BM + tl.arange(0, BM)
-    ins = tl.program_id(2) * BN + tl.arange(0, BN)
+    if ACCUMULATE and row_end == row_start:
+        return
+    outs = (tile // tiles_in) % tiles_out * BM + tl.arange(0, BM)
+    ins = tile % tiles_in * BN + tl.arange(0, BN)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for r0 in range(row_start, row_end, BK):
         rows = r0 + tl.arange(0, BK)
-        g = tl.load(g_ptr + rows[None, :].to(tl.int64) * n_out + outs[:, None],
-                    mask=(rows[None, :] < row_end) & (outs[:, None] < n_out), other=0.0)
+        g = tl.load(g_ptr + rows[:, None].to(tl.int64) * n_out + outs[None, :],
+                    mask=(rows[:, None] < row_end) & (outs[None, :] < n_out), other=0.0)
         x = tl.load(x_ptr + rows[:, None].to(tl.int64) * n_in + ins[None, :],
                     mask=(rows[:, None] < row_end) & (ins[None, :] < n_in), other=0.0)
         if UPCAST:
             g, x = g.to(tl.float32), x.to(tl.float32)
-        acc = tl.dot(g, x, acc, input_precision=PRECISION)
-    tl.store(out_ptr + expert.to(tl.int64) * n_out * n_in + outs[:, None] * n_in + ins[None, :],
-             acc.to(out_ptr.dtype.element_ty), mask=(outs[:, None] < n_out) & (ins[None, :] < n_in))
+        acc = tl.dot(tl.trans(g), x, acc, input_precision=PRECISION)
+    out = out_ptr + expert.to(tl.int64) * n_out * n_in + outs[:, None] * n_in + ins[None, :]
+    inside = (outs[:, None] < n_out) & (ins[None, :] < n_in)
+    if ACCUMULATE:
+        acc += tl.load(out, mask=inside, other=0.0).to(tl.float32)
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=inside)
 
 
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 32
@@ -99,11 +108,10 @@ def _triton_rows(a, b, offs, n_cols, transpose_b: bool):
     return out
 
 
-def _triton_wgrad(grad_out, x, offs, num_experts):
-    out = grad_out.new_empty(num_experts, grad_out.shape[1], x.shape[1])
-    grid = (num_experts, triton.cdiv(grad_out.shape[1], BLOCK_M), triton.cdiv(x.shape[1], BLOCK_N))
-    _grouped_wgrad_kernel[grid](grad_out, x, out, offs, grad_out.shape[1], x.shape[1],
-                                BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, UPCAST=UPCAST, PRECISION=_precision(x))
+def _triton_wgrad(grad_out, x, offs, out, accumulate, blocks=(BLOCK_M, BLOCK_N, BLOCK_K), **launch):
+    tiles = triton.cdiv(grad_out.shape[1], blocks[0]) * triton.cdiv(x.shape[1], blocks[1])
+    _grouped_wgrad_kernel[(out.shape[0] * tiles,)](grad_out, x, out, offs, grad_out.shape[1], x.shape[1], accumulate,
+                                                   *blocks, UPCAST=UPCAST, PRECISION=_precision(x), **launch)
     return out
 
 
@@ -128,7 +136,20 @@ def grouped_dgrad(grad_out, weight, offs, use_triton=None):
 def grouped_wgrad(grad_out, x, offs, use_triton=None):
     if _use_torch(x, use_triton):
         return F.grouped_mm(grad_out.T, x, offs=offs)
-    return _triton_wgrad(grad_out.contiguous(), x.contiguous(), offs, offs.shape[0])
+    out = grad_out.new_empty(offs.shape[0], grad_out.shape[1], x.shape[1])
+    return _triton_wgrad(grad_out.contiguous(), x.contiguous(), offs, out, False)
+
+
+def add_wgrad_into(param, grad_out, x, offs):
+    """param.grad (+)= the weight gradient, summed in fp32 by the Triton kernel and added in param.grad's dtype:
+    an fp32 master gradient gets no bf16 rounding per micro-batch, and no bf16 gradient is written and
+    re-read. 128 x 128 x 64 tiles, 4 warps, 3 stages: of 8 tile shapes on the H200, the fastest at 5 of the 6
+    expert shapes measured and within 1% at the sixth (bench/RESULTS.md)."""
+    first = param.grad is None
+    if first:
+        param.grad = torch.empty_like(param)
+    _triton_wgrad(grad_out, x.contiguous(), offs, param.grad, not first, blocks=(128, 128, 64), num_warps=4,
+                  num_stages=3)
 
 
 class _GroupedLinear(torch.autograd.Function):
@@ -136,6 +157,7 @@ class _GroupedLinear(torch.autograd.Function):
     def forward(ctx, x, weight, offs, wgrad_queue, use_triton):
         ctx.save_for_backward(x, weight, offs)
         ctx.wgrad_queue, ctx.use_triton = wgrad_queue, use_triton
+        ctx.grad_into = getattr(weight, "grad_into", None)
         return grouped_forward(x, weight, offs, use_triton)
 
     @staticmethod
@@ -145,14 +167,22 @@ class _GroupedLinear(torch.autograd.Function):
         grad_x = grouped_dgrad(grad_out, weight, offs, ctx.use_triton) if ctx.needs_input_grad[0] else None
         if not ctx.needs_input_grad[1]:
             return grad_x, None, None, None, None
-        if ctx.wgrad_queue is None:
+        triton_here = x.is_cuda if ctx.use_triton is None else ctx.use_triton
+        into = ctx.grad_into if triton_here else None
+        if ctx.wgrad_queue is None and into is None:
             return grad_x, grouped_wgrad(grad_out, x, offs, ctx.use_triton), None, None, None
         use_triton = ctx.use_triton
 
         def accumulate_wgrad():
+            if into is not None:
+                add_wgrad_into(into, grad_out, x, offs)
+                return
             grad_w = grouped_wgrad(grad_out, x, offs, use_triton)
             weight.grad = grad_w if weight.grad is None else weight.grad.add_(grad_w)
-        ctx.wgrad_queue.append(accumulate_wgrad)
+        if ctx.wgrad_queue is None:
+            accumulate_wgrad()
+        else:
+            ctx.wgrad_queue.append(accumulate_wgrad)
         return grad_x, None, None, None, None
 
 
@@ -162,6 +192,10 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: tor
 
     wgrad_queue: if given, the weight gradient is not returned by backward but queued as a closure that
     adds it to weight.grad. use_triton: force the Triton kernels (True) or torch's grouped_mm (False).
+    A weight that carries `grad_into` (a compute copy of a master parameter, as ComputeCasts makes) gets
+    no gradient through autograd: where the Triton kernels run (CUDA unless use_triton=False, or
+    use_triton=True) the weight-gradient kernel adds it straight into grad_into.grad (add_wgrad_into);
+    elsewhere it is returned as usual.
     """
     offs = torch.cumsum(tokens_per_expert, 0, dtype=torch.int32)
     return _GroupedLinear.apply(x, weight, offs, wgrad_queue, use_triton)
