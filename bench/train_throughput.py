@@ -20,8 +20,10 @@ width) against the bf16 matmul peak measured here.
   ... --parity [--precision mixed]: from the same transformers weights, our loss over 20 AdamW steps on
       the bundled corpus (byte tokens) against transformers'
   ... --sdpa-check: transformers alone, and after one call of our causal attention in its process
+  ... --grads: from the same weights, each gradient of one step against transformers' (mixed precision),
+      with transformers' own bf16-vs-mixed difference per tensor for scale
 
-Writes $OUT/train_throughput.json (or parity.json, sdpa_check.json) when OUT is set.
+Writes $OUT/train_throughput.json (or parity.json, sdpa_check.json, grads.json) when OUT is set.
 """
 import argparse
 import json
@@ -76,14 +78,20 @@ def flops_per_token(p: dict, seq: int) -> float:
 def batches(count: int, rows: int, seq: int, vocab: int, corpus: bool):
     """(input_ids, labels) per step: windows of the bundled corpus in byte tokens (a loss that falls), or
     uniform random tokens (timing: byte tokens at init would route a few hundred distinct embeddings,
-    crowding some experts, where a real tokenizer's tokens spread over the vocabulary)."""
+    crowding some experts, where a real tokenizer's tokens spread over the vocabulary). The last position
+    predicts nothing, as in transformers, which shifts input_ids to make its labels: both sides' losses are
+    over the same seq - 1 tokens (one token more on one side moved a 32-token step's gradient by ~15%)."""
     import torch
     from pith_apps.data import DEFAULT_CORPUS, ByteTokenizer, batch_at
     if corpus:
         stream = torch.tensor(ByteTokenizer().encode(DEFAULT_CORPUS.read_text()))
-        return [batch_at(stream, step, 0, rows, seq) for step in range(count)]
-    windows = torch.randint(0, vocab, (count, rows, seq + 1), generator=torch.Generator().manual_seed(0))
-    return [(window[:, :-1], window[:, 1:]) for window in windows]
+        pairs = [batch_at(stream, step, 0, rows, seq) for step in range(count)]
+    else:
+        windows = torch.randint(0, vocab, (count, rows, seq + 1), generator=torch.Generator().manual_seed(0))
+        pairs = [(window[:, :-1], window[:, 1:].clone()) for window in windows]
+    for _, labels in pairs:
+        labels[:, -1] = -100
+    return pairs
 
 
 def pith_setup(c: dict, preset: dict, hf_weights: str | None = None):
@@ -114,7 +122,7 @@ def pith_setup(c: dict, preset: dict, hf_weights: str | None = None):
 
     def step(number, ids, labels):
         return train_step(args, parallel, device, model, optimizer, number, ids, labels, False)[0]
-    return step
+    return model, step
 
 
 def hf_setup_step(c: dict, preset: dict, first_ids, save_to: str | None = None):
@@ -148,13 +156,15 @@ def measure(c: dict) -> dict:
     cuda = c["device"].startswith("cuda")
     if c["side"] == "peak":
         return row | dict(tflops=matmul_peak(c["device"]))
+    if c["side"] == "grads":
+        return row | dict(tensors=compare_grads(c))
     torch.manual_seed(0)
     preset = preset_dict(c["family"], c["preset"], c["layers"], aux=c.get("aux", True))
     steps = batches(c["steps"], c["accum"], c["seq"], preset["vocab_size"], corpus=c.get("corpus", False))
     if c.get("touch_attention"):
         touch_our_attention(c["device"])
     if c["side"] == "pith":
-        step = pith_setup(c, preset, c.get("hf_weights"))
+        step = pith_setup(c, preset, c.get("hf_weights"))[1]
     else:
         step, row["attention"] = hf_setup_step(c, preset, steps[0][0], c.get("save_to"))
     if cuda:
@@ -178,6 +188,48 @@ def measure(c: dict) -> dict:
         name = f"profile_{c['side']}_{c['family']}_{c['precision']}_{c['accum']}.txt"
         row["gpu"] = profile_step(lambda: step(len(steps) + 1, *steps[-1]), Path(os.environ.get("OUT", "."), name))
     return row
+
+
+def compare_grads(c: dict) -> list[dict]:
+    """From the same bf16 weights (drawn by transformers), one forward and backward of one corpus sequence on
+    our model (the app's precision), on transformers' in mixed precision and, for the scale of two correct
+    runs, in bf16; per Hugging Face tensor, the relative difference of each gradient to transformers' mixed
+    one. Aux losses off. Our gradients are read through hf_views, in the file's layout."""
+    import torch
+    from hf_baseline import hf_model, hf_setup
+    preset = preset_dict(c["family"], c["preset"], c["layers"], aux=False)
+    ids, labels = batches(1, 1, c["seq"], preset["vocab_size"], corpus=True)[0]
+    folder = tempfile.mkdtemp(prefix="grads-")
+    model, attention = hf_setup(preset, "bf16", c["device"], ids.to(c["device"]))
+    model.save_pretrained(folder)
+    del model
+    ours, _ = pith_setup(c | dict(precision="mixed", accum=1), preset, folder)
+    (ours.loss_sum(ids.to(c["device"]), labels.to(c["device"])) / (labels != -100).sum()).backward()
+    for param in ours.parameters():
+        param.data = param.grad   # hf_views now shows the gradients
+    # by our parameter name, then by checkpoint name in the file's layout (which wins where the names are the
+    # same): transformers' in-memory tensors are one or the other
+    named = list(ours.named_parameters()) + [(name, view) for name, view, *_ in ours.hf_views()]
+    grads = dict(pith={name: tensor.float().clone() for name, tensor in named})
+    del ours
+    for precision in ("mixed", "bf16"):
+        theirs = hf_model(preset, precision, c["device"], attention, folder)
+        with torch.autocast(torch.device(c["device"]).type, dtype=torch.bfloat16,
+                            enabled=precision == "mixed"):
+            loss = theirs(input_ids=ids.to(c["device"]), labels=ids.to(c["device"])).loss
+        loss.backward()
+        grads[precision] = {name: p.grad.float() for name, p in theirs.named_parameters()}
+        del theirs, loss
+    shutil.rmtree(folder)
+    reference = grads["mixed"]
+
+    def gap(name, side):
+        return round(((grads[side][name] - reference[name]).norm() / reference[name].norm().clamp_min(1e-30)).item(), 5)
+    missing = [name for name in reference if grads["pith"].get(name, reference[name][:0]).shape != reference[name].shape]
+    if missing:
+        raise KeyError(f"transformers' gradients {missing[:3]} (of {len(missing)}) have no counterpart of ours")
+    return [dict(name=name, norm=round(reference[name].norm().item(), 6), pith_gap=gap(name, "pith"),
+                 hf_bf16_gap=gap(name, "bf16")) for name in sorted(reference)]
 
 
 def profile_step(run_step, path: Path) -> dict:
@@ -296,6 +348,17 @@ def parity(args) -> dict:
     return dict(rows=rows)
 
 
+def grads_check(args) -> dict:
+    rows = []
+    for family in args.families:
+        row = isolated(dict(side="grads", family=family, preset=args.preset or REAL[family], layers=args.layers,
+                            seq=args.seq, device=args.device, lr=1e-4))
+        worst = sorted(row.get("tensors", []), key=lambda t: -t["pith_gap"] / max(t["hf_bf16_gap"], 1e-6))[:8]
+        print(json.dumps(dict(family=family, error=row.get("error"), worst_against_the_bf16_scale=worst)), flush=True)
+        rows.append(row)
+    return dict(rows=rows)
+
+
 def sdpa_check(args) -> dict:
     """transformers' DeepSeek-V2-Lite step alone, and after one call of our causal attention in its process."""
     base = dict(side="hf", family="deepseek_v2", preset=args.preset or REAL["deepseek_v2"], layers=args.layers,
@@ -324,12 +387,13 @@ def main():
                         "$OUT/profile_<side>_<family>_<precision>_<accum>.txt and the row's GPU busy / idle time")
     parser.add_argument("--parity", action="store_true")
     parser.add_argument("--sdpa-check", action="store_true")
+    parser.add_argument("--grads", action="store_true", help="gradients, tensor by tensor, against transformers'")
     args = parser.parse_args()
     if args.one:
         print(json.dumps(measure(json.loads(args.one))))
         return
     name, result = (("parity", parity(args)) if args.parity else ("sdpa_check", sdpa_check(args)) if args.sdpa_check
-                    else ("train_throughput", throughput_table(args)))
+                    else ("grads", grads_check(args)) if args.grads else ("train_throughput", throughput_table(args)))
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], f"{name}.json").write_text(json.dumps(result, indent=1))
 
