@@ -11,7 +11,7 @@ from conftest import KERNEL_DEVICE, relative_error
 from pith_apps.config import read_json
 from pith_apps.models.deepseek_v2 import DeepseekV2Config, DeepseekV2ForCausalLM
 from pith_apps.train import MODELS, PRESETS, build_model, check_args, layout, model_config, parse_args, train_step
-from pith_engine.data_parallel import shard_model
+from pith_engine.data_parallel import embedding, shard_model
 from pith_engine.moe import LoadBalance, update_expert_bias
 from pith_engine.optim import adamw
 from pith_engine.parallel import Parallel
@@ -133,6 +133,33 @@ def test_one_process_expert_weight_gradient_is_summed_in_fp32_straight_into_the_
     # exact bf16 products, fp32 sums of 70 and of 3 terms: ~1e-7; a bf16 rounding per micro-batch would be ~1e-3
     assert relative_error(experts.weight.grad, expected) < 1e-6
     assert torch.equal(experts.weight.grad[1], torch.zeros(130, 24, device=KERNEL_DEVICE))
+
+
+class Lookup(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(50, 8))
+
+    def forward(self, ids):
+        return embedding(ids, self.weight, fused=True)
+
+
+def test_one_process_embedding_gradient_goes_row_by_row_into_the_fp32_master_gradient():
+    """As on CUDA: the rows of the bf16 copy forward; backward adds each token's gradient row into the fp32
+    master's .grad (repeated tokens summed in fp32), no dense bf16 gradient, nothing more through autograd."""
+    torch.manual_seed(4)
+    lookup = shard_model(Lookup(), Parallel(), param_dtype=torch.bfloat16)
+    ids = torch.tensor([[3, 7, 3, 3], [0, 7, 49, 3]])
+    expected = torch.zeros(50, 8, dtype=torch.float64)
+    for _ in range(2):
+        out = lookup(ids)
+        assert torch.equal(out, lookup.weight.detach().bfloat16()[ids])
+        grad = torch.randn(2, 4, 8).bfloat16()
+        out.backward(grad)
+        expected.index_add_(0, ids.flatten(), grad.reshape(-1, 8).double())
+    assert lookup.weight.grad.dtype == torch.float32
+    assert relative_error(lookup.weight.grad, expected) < 1e-7   # 8 bf16 terms summed in fp32: exact here
+    assert not lookup.weight.grad[[1, 2, 48]].any()
 
 
 def test_one_process_mixed_precision_restores_the_master_weights_after_a_failed_forward():

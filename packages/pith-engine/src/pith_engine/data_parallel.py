@@ -56,8 +56,8 @@ class ComputeCasts:
     its parameter has changed (an optimizer step, a load) and reused by the other micro-batches of the step;
     its backward adds the gradient into the fp32 `.grad` in one pass (AddIntoGrad), where a cast in the
     graph would write an fp32 gradient and then add it. Each copy names its parameter as `grad_into`, so that
-    a kernel that can add in fp32 itself does (grouped_linear's weight gradient), returning no gradient to
-    autograd. The copies are dropped as every optimizer step starts (fused AdamW writes the parameters
+    a kernel that can add in fp32 itself does (grouped_linear's weight gradient, `embedding`), returning no
+    gradient to autograd. The copies are dropped as every optimizer step starts (fused AdamW writes the parameters
     without bumping their version counters) or earlier by drop_compute_copies; other changes are seen
     through the version counter, which every in-place write bumps (loads, init) except one through `.data`."""
 
@@ -132,6 +132,34 @@ class AddIntoGrad(torch.autograd.Function):
         else:
             param.grad.add_(grad)
         return None, None
+
+
+class _EmbeddingIntoGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, ids, weight, into):
+        ctx.save_for_backward(ids)
+        ctx.into = into
+        return torch.nn.functional.embedding(ids, weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (ids,) = ctx.saved_tensors
+        if ctx.into.grad is None:
+            ctx.into.grad = torch.zeros_like(ctx.into)
+        rows = grad.reshape(-1, grad.shape[-1]).to(ctx.into.grad.dtype)
+        ctx.into.grad.index_put_((ids.flatten(),), rows, accumulate=True)   # CUDA: sorted, deterministic
+        return None, None, None
+
+
+def embedding(ids: torch.Tensor, weight: torch.Tensor, fused: bool | None = None) -> torch.Tensor:
+    """F.embedding, except for a weight that names its master as `grad_into` (ComputeCasts' copies) where
+    fused (default: on CUDA): the backward adds each token's gradient row into the master's fp32 .grad,
+    where F.embedding's writes a dense [vocab, hidden] gradient in the copy's dtype, which AddIntoGrad then
+    reads whole to add it."""
+    into = getattr(weight, "grad_into", None)
+    if into is None or not (ids.is_cuda if fused is None else fused):
+        return torch.nn.functional.embedding(ids, weight)
+    return _EmbeddingIntoGrad.apply(ids, weight, into)
 
 
 def is_sharded(tensor: torch.Tensor) -> bool:

@@ -13,7 +13,7 @@ from torch import nn
 from pith_ops.cross_entropy import linear_cross_entropy
 from pith_ops.grouped_gemm import grouped_linear
 from pith_ops.swiglu import swiglu
-from pith_engine.data_parallel import local_part, this_ranks_part
+from pith_engine.data_parallel import embedding, local_part, this_ranks_part
 from pith_engine.moe import run_moe_layer
 from pith_engine.parallel import Parallel
 
@@ -151,6 +151,14 @@ class SwiGLUExperts(LocalExperts):
             yield f"{name}.down_proj.weight", self.down_proj[e]
 
 
+class Embedding(nn.Embedding):
+    """nn.Embedding whose gradient, under one-process mixed precision on CUDA, goes row by row into the fp32
+    master gradient (pith_engine.data_parallel.embedding)."""
+
+    def forward(self, ids):
+        return embedding(ids, self.weight)
+
+
 class CausalLM(nn.Module):
     """What the three families' top-level models share: the Hugging Face trunk (model.embed_tokens,
     model.layers, model.norm, lm_head), init, logits, loss and the checkpoint views. A subclass passes in
@@ -159,7 +167,7 @@ class CausalLM(nn.Module):
     def __init__(self, cfg, layers, norm: nn.Module):
         super().__init__()
         self.config = cfg
-        self.model = nn.ModuleDict(dict(embed_tokens=nn.Embedding(cfg.vocab_size, cfg.hidden_size),
+        self.model = nn.ModuleDict(dict(embed_tokens=Embedding(cfg.vocab_size, cfg.hidden_size),
                                         layers=nn.ModuleList(layers), norm=norm))
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
