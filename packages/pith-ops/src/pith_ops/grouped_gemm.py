@@ -176,9 +176,9 @@ class _GroupedLinear(torch.autograd.Function):
         def accumulate_wgrad():
             if into is not None:
                 add_wgrad_into(into, grad_out, x, offs)
-                return
-            grad_w = grouped_wgrad(grad_out, x, offs, use_triton)
-            weight.grad = grad_w if weight.grad is None else weight.grad.add_(grad_w)
+            else:
+                grad_w = grouped_wgrad(grad_out, x, offs, use_triton)
+                weight.grad = grad_w if weight.grad is None else weight.grad.add_(grad_w)
         if ctx.wgrad_queue is None:
             accumulate_wgrad()
         else:
