@@ -102,3 +102,52 @@ def test_bad_input_ends_with_one_clear_line(argv, named, tmp_path):
     assert "Traceback" not in result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"pith-train: error: {named}")
+
+
+def test_help_explains_every_flag_in_full_sentences():
+    parser = train_app.build_parser()
+    assert parser.description.endswith(".") and parser.description[0].isupper()
+    for action in parser._actions[1:]:   # after -h, which argparse writes
+        assert action.help and action.help[0].isupper() and action.help.endswith("."), action.dest
+
+
+def test_run_config_file_sets_the_flags_and_the_command_line_overrides_it(tmp_path, capsys):
+    run = tmp_path / "run.toml"
+    run.write_text('model = "gpt_oss"\nsteps = 5\nbatch-size = 4\nlr = 1\nquiet = true\ndtype = "float32"\n')
+    args = train_app.parse_args(["--run-config", str(run), "--steps", "7"])
+    assert (args.model, args.steps, args.batch_size, args.lr, args.quiet, args.dtype) == \
+        ("gpt_oss", 7, 4, 1.0, True, "float32")
+    assert (args.seq_len, args.preset) == (128, "tiny")   # flags in neither keep their defaults
+    train_app.main(["--run-config", str(run), "--steps", "7", "--print-config"])
+    printed = tmp_path / "printed.toml"
+    printed.write_text(capsys.readouterr().out)
+    again = train_app.parse_args(["--run-config", str(printed)])
+    assert vars(again) | {"run_config": None} == vars(args) | {"run_config": None, "print_config": False}
+
+
+@pytest.mark.parametrize("toml,argv,named", [
+    ('stepz = 5', ["qwen3"], "--run-config RUN: unknown key 'stepz'; valid keys: balance, batch-size, clip, "),
+    ('steps = "5"', ["qwen3"], "--run-config RUN: 'steps' = '5' must be an integer"),
+    ('resume = 1', ["qwen3"], "--run-config RUN: 'resume' = 1 must be true or false"),
+    ('dtype = "fp16"', ["qwen3"], "--run-config RUN: 'dtype' = 'fp16' is not one of float32, bfloat16"),
+    ('steps = ', ["qwen3"], "--run-config RUN: cannot read it as TOML (Invalid value"),
+    ('steps = 5', [], "no model family given; valid: qwen3, deepseek_v2, gpt_oss (as the first argument or the key"),
+    ('', ["qwen3", "--config", "GPT_OSS"], "config 'GPT_OSS' is a gpt_oss config (model_type 'gpt_oss'), not qwen3; "
+     "run: pith-train gpt_oss --config GPT_OSS"),
+    ('', ["qwen3", "--config", "LLAMA"], "config 'LLAMA' has model_type 'llama', which Pith does not train; valid: "
+     "qwen3_moe (qwen3), deepseek_v2 (deepseek_v2), gpt_oss (gpt_oss)"),
+])
+def test_bad_run_config_or_config_of_another_family_ends_with_one_line(toml, argv, named, tmp_path, capsys):
+    run, llama = tmp_path / "run.toml", tmp_path / "llama.json"
+    run.write_text(toml + "\n")
+    llama.write_text('{"model_type": "llama"}')
+    paths = {"RUN": str(run), "LLAMA": str(llama), "GPT_OSS": str(train_app.PRESETS / "gpt_oss_tiny.json")}
+    argv = [paths.get(a, a) for a in argv]
+    with pytest.raises(SystemExit) as stop:
+        train_app.main([*argv, "--run-config", str(run), "--out", str(tmp_path / "out")])
+    lines = capsys.readouterr().err.strip().splitlines()
+    expected = named
+    for placeholder, path in paths.items():
+        expected = expected.replace(placeholder, path)
+    assert stop.value.code == 2 and len(lines) == 1 and lines[0].startswith(f"pith-train: error: {expected}"), lines
+    assert not (tmp_path / "out").exists()   # nothing written
