@@ -1,3 +1,5 @@
+import json
+import math
 import subprocess
 import sys
 
@@ -6,7 +8,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import pith_apps.train as train_app
-from pith_apps.data import DEFAULT_CORPUS, ByteTokenizer, batch_at, load_token_stream
+from pith_apps.data import DEFAULT_CORPUS, ByteTokenizer, HFTokenizer, batch_at, load_token_stream
 
 QUICK = ["--steps", "60", "--batch-size", "8", "--seq-len", "64", "--warmup", "10", "--quiet"]
 
@@ -151,3 +153,58 @@ def test_bad_run_config_or_config_of_another_family_ends_with_one_line(toml, arg
         expected = expected.replace(placeholder, path)
     assert stop.value.code == 2 and len(lines) == 1 and lines[0].startswith(f"pith-train: error: {expected}"), lines
     assert not (tmp_path / "out").exists()   # nothing written
+
+
+def bpe_tokenizer(folder, vocab_size, end_token="<|endoftext|>"):
+    """A byte-level BPE tokenizer.json trained on the bundled corpus (256 byte symbols + the end token + merges)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.train([str(DEFAULT_CORPUS)], trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=[end_token], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    folder.mkdir()
+    tokenizer.save(str(folder / "tokenizer.json"))
+    return folder
+
+
+def test_a_hugging_face_tokenizer_encodes_each_document_and_ends_it_with_its_end_token(tmp_path):
+    docs = ["The cat sat.", "Ünïcödé and emoji 🙂 survive.", "Last one"]
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    folder = bpe_tokenizer(tmp_path / "tok", 300, end_token="<|im_end|>")
+    (folder / "tokenizer_config.json").write_text('{"eos_token": {"content": "<|im_end|>"}}')   # transformers' form
+    tokenizer = HFTokenizer(folder)
+    assert tokenizer.vocab_size == 300 and tokenizer.eos_id == tokenizer.tokenizer.token_to_id("<|im_end|>")
+    expected = [i for d in docs for i in [*tokenizer.encode(d), tokenizer.eos_id]]
+    assert load_token_stream(data, tokenizer).tolist() == expected
+    assert [tokenizer.decode(tokenizer.encode(d)) for d in docs] == docs
+    assert len(expected) < sum(len(d.encode()) for d in docs)   # merges: fewer tokens than bytes
+
+
+def test_training_with_a_hugging_face_tokenizer_lowers_the_loss(tmp_path):
+    folder = bpe_tokenizer(tmp_path / "tok", 257)   # fits the tiny model's vocabulary
+    losses = train_app.train(train_app.parse_args(["qwen3", "--tokenizer", str(folder / "tokenizer.json"),
+                                                   "--out", str(tmp_path / "run"), *QUICK]))
+    assert abs(losses[0] - math.log(257)) < 0.3 and losses[-1] < losses[0] - 1.5, losses
+
+
+@pytest.mark.parametrize("vocab,end_token,file,named", [
+    (300, "<|endoftext|>", "tokenizer.json", "the tokenizer (TOK) has 300 tokens, more than the model's "
+     "vocab_size=257; give a config with vocab_size >= 300 or the model's own tokenizer"),
+    (257, "<sep>", "tokenizer.json", "--tokenizer 'TOK': cannot tell its end-of-document token; none of "
+     "<|endoftext|>, </s>, <|end_of_text|>, <eos> is in its vocabulary"),
+    (257, "<|endoftext|>", "missing.json", "--tokenizer 'TOK': no such file; give a tokenizer.json or a folder"),
+    (257, "<|endoftext|>", "tokenizer_config.json", "--tokenizer 'TOK' is not a tokenizer.json the tokenizers "
+     "library reads"),
+])
+def test_a_bad_tokenizer_ends_with_one_line(vocab, end_token, file, named, tmp_path, capsys):
+    folder = bpe_tokenizer(tmp_path / "tok", vocab, end_token)
+    (folder / "tokenizer_config.json").write_text("{}")
+    with pytest.raises(SystemExit) as stop:
+        train_app.main(["qwen3", "--tokenizer", str(folder / file), "--out", str(tmp_path / "run"), *QUICK])
+    lines = capsys.readouterr().err.strip().splitlines()
+    expected = f"pith-train: error: {named.replace('TOK', str(folder / file))}"
+    assert stop.value.code == 2 and len(lines) == 1 and lines[0].startswith(expected), lines
+    assert not (tmp_path / "run").exists()

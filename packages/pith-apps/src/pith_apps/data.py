@@ -28,6 +28,44 @@ class ByteTokenizer:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
 
+class HFTokenizer:
+    """A Hugging Face tokenizer.json, run by the `tokenizers` library. The end-of-document token is the
+    eos_token of a tokenizer_config.json beside it, else the first of END_TOKENS in its vocabulary."""
+    END_TOKENS = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")
+
+    def __init__(self, path: str | Path):
+        from tokenizers import Tokenizer
+        path = Path(path)
+        file = path / "tokenizer.json" if path.is_dir() else path
+        if not file.is_file():
+            raise ConfigError(f"--tokenizer '{path}': no such file; give a tokenizer.json or a folder holding one")
+        try:
+            self.tokenizer = Tokenizer.from_file(str(file))
+        except Exception as err:   # tokenizers raises a bare Exception for a file it cannot parse
+            raise ConfigError(f"--tokenizer '{file}' is not a tokenizer.json the tokenizers library reads: "
+                              f"{str(err).strip()[:200]}") from None
+        self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
+        self.eos_id = self.tokenizer.token_to_id(self.end_token(file) or "")
+        if self.eos_id is None:
+            raise ConfigError(f"--tokenizer '{file}': cannot tell its end-of-document token; none of "
+                              f"{', '.join(self.END_TOKENS)} is in its vocabulary and no tokenizer_config.json beside "
+                              "it names an eos_token")
+
+    def end_token(self, file: Path) -> str | None:
+        config = file.with_name("tokenizer_config.json")
+        eos = json.loads(config.read_text()).get("eos_token") if config.is_file() else None
+        if eos:
+            return eos["content"] if isinstance(eos, dict) else eos   # transformers writes either form
+        vocab = self.tokenizer.get_vocab(with_added_tokens=True)
+        return next((token for token in self.END_TOKENS if token in vocab), None)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids) -> str:
+        return self.tokenizer.decode(list(ids))
+
+
 def data_files(path: str | Path) -> tuple[str, list[str]]:
     """The `datasets` builder name and the files for a file or folder path."""
     path = Path(path)

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from pith_apps.config import ConfigError, read_json, require
-from pith_apps.data import DEFAULT_CORPUS, ByteTokenizer, batch_at, load_token_stream
+from pith_apps.data import DEFAULT_CORPUS, ByteTokenizer, HFTokenizer, batch_at, load_token_stream
 from pith_apps.models.deepseek_v2 import DeepseekV2Config, DeepseekV2ForCausalLM
 from pith_apps.models.gpt_oss import GptOssConfig, GptOssForCausalLM
 from pith_apps.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -55,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--layers", type=int, help="Keep only the first N decoder layers of the config, for experiments.")
     add("--data", default=str(DEFAULT_CORPUS), help="A .txt or .jsonl file, or a folder of them, to train on "
         "(default: the small corpus bundled with the app).")
+    add("--tokenizer", metavar="PATH", help="A Hugging Face tokenizer.json, or a folder holding one (and its "
+        "tokenizer_config.json, which names the end-of-document token); default: UTF-8 bytes, 257 tokens.")
     add("--out", help="The run folder for TensorBoard logs and checkpoints (default: runs/<model>-<preset>).")
     add("--steps", type=int, default=300, help="The number of optimizer steps of the run (default: 300).")
     add("--batch-size", type=int, default=16, help="Sequences per optimizer step, over all data ranks (default: 16).")
@@ -187,9 +189,10 @@ def train(args) -> list[float]:
     """Run the training loop; returns the loss of every step run (the same on every rank)."""
     check_args(args)
     cfg = model_config(args)
-    tokenizer = ByteTokenizer()
-    require(cfg.vocab_size >= tokenizer.vocab_size,
-            f"config vocab_size={cfg.vocab_size} is smaller than the byte tokenizer's {tokenizer.vocab_size}")
+    tokenizer = HFTokenizer(args.tokenizer) if args.tokenizer else ByteTokenizer()
+    require(cfg.vocab_size >= tokenizer.vocab_size, f"the tokenizer ({args.tokenizer or 'bytes'}) has "
+            f"{tokenizer.vocab_size} tokens, more than the model's vocab_size={cfg.vocab_size}; give a config "
+            f"with vocab_size >= {tokenizer.vocab_size} or the model's own tokenizer")
     stream = load_token_stream(args.data, tokenizer)
     joined = join_processes(args)
     from pith_apps.run_folder import RunFolder   # heavy import (DCP, DTensor: ~0.8 s): only when training
