@@ -208,3 +208,32 @@ def test_a_bad_tokenizer_ends_with_one_line(vocab, end_token, file, named, tmp_p
     expected = f"pith-train: error: {named.replace('TOK', str(folder / file))}"
     assert stop.value.code == 2 and len(lines) == 1 and lines[0].startswith(expected), lines
     assert not (tmp_path / "run").exists()
+
+
+def test_init_starts_from_a_hugging_face_folder_with_its_weights_and_tokenizer(tmp_path, capsys):
+    """A tiny folder written by transformers, with a tokenizer.json: the run's first loss is that of the folder's
+    weights on the first batch in the folder's tokens (not of a fresh init), and it trains."""
+    import transformers
+    from hf_compare import save_tiny_hf_model
+    from pith_apps.hf_checkpoint import load_hf_weights
+    folder = bpe_tokenizer(tmp_path / "hf", 257)
+    preset = json.loads((train_app.PRESETS / "qwen3_tiny.json").read_text())
+    save_tiny_hf_model(transformers.AutoConfig.for_model(**preset), folder)
+    losses = train_app.train(train_app.parse_args(["qwen3", "--init", str(folder), "--out", str(tmp_path / "run"),
+                                                   *QUICK]))
+    args = train_app.parse_args(["qwen3", "--config", str(folder / "config.json"), *QUICK])
+    cfg = train_app.model_config(args)
+    ours = train_app.MODELS["qwen3"][1](cfg)
+    load_hf_weights(ours, folder)
+    stream = load_token_stream(DEFAULT_CORPUS, HFTokenizer(folder))
+    ids, labels = batch_at(stream, 0, 0, args.batch_size, args.seq_len)
+    expected = (ours.loss_sum(ids, labels) / labels.numel()).item()
+    fresh = train_app.train(train_app.parse_args(["qwen3", "--tokenizer", str(folder), "--steps", "1", "--out",
+                                                  str(tmp_path / "fresh"), *QUICK[2:]]))
+    assert abs(losses[0] - expected) < 1e-4 * expected and abs(fresh[0] - expected) > 0.1, (losses[0], expected, fresh)
+    assert losses[-1] < losses[0] - 1.0
+    capsys.readouterr()   # transformers' progress bars of the save
+    with pytest.raises(SystemExit):
+        train_app.main(["qwen3", "--init", str(folder), "--config", str(folder / "config.json")])
+    assert capsys.readouterr().err.strip() == ("pith-train: error: --init DIR takes the model's config from "
+                                               "DIR/config.json; leave out --config")

@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--print-config", action="store_true", help="Print the resolved run as a TOML file for --run-config and exit.")
     add("--preset", default="tiny", help="The size of the model, a config in pith_apps/presets (default: tiny).")
     add("--config", help="A Hugging Face config.json to use instead of the preset.")
+    add("--init", metavar="DIR", help="Start from the Hugging Face model folder DIR: its config.json (instead of "
+        "--preset and --config), its safetensors weights and, unless --tokenizer is given, its tokenizer.json. "
+        "One process only, for now.")
     add("--layers", type=int, help="Keep only the first N decoder layers of the config, for experiments.")
     add("--data", default=str(DEFAULT_CORPUS), help="A .txt or .jsonl file, or a folder of them, to train on "
         "(default: the small corpus bundled with the app).")
@@ -165,9 +168,14 @@ def check_args(args):
 
 def model_config(args):
     config_cls, _ = MODELS[args.model]
-    path = Path(args.config or PRESETS / f"{args.model}_{args.preset}.json")
+    require(not (args.init and args.config), "--init DIR takes the model's config from DIR/config.json; leave out "
+            "--config")
+    if args.init:
+        require(Path(args.init, "config.json").is_file(), f"--init '{args.init}' has no config.json; give a Hugging "
+                "Face model folder (config.json and *.safetensors)")
+    path = Path(args.init, "config.json") if args.init else Path(args.config or PRESETS / f"{args.model}_{args.preset}.json")
     valid = sorted(p.stem.removeprefix(f"{args.model}_") for p in PRESETS.glob(f"{args.model}_*.json"))
-    require(args.config or path.is_file(), f"unknown --preset '{args.preset}' for {args.model}; valid presets: "
+    require(args.config or args.init or path.is_file(), f"unknown --preset '{args.preset}' for {args.model}; valid presets: "
             f"{', '.join(valid)}")
     data = read_json(path)
     model_type = data.get("model_type")
@@ -189,8 +197,10 @@ def train(args) -> list[float]:
     """Run the training loop; returns the loss of every step run (the same on every rank)."""
     check_args(args)
     cfg = model_config(args)
-    tokenizer = HFTokenizer(args.tokenizer) if args.tokenizer else ByteTokenizer()
-    require(cfg.vocab_size >= tokenizer.vocab_size, f"the tokenizer ({args.tokenizer or 'bytes'}) has "
+    own = args.init if args.init and Path(args.init, "tokenizer.json").is_file() else None
+    tokenizer_path = args.tokenizer or own
+    tokenizer = HFTokenizer(tokenizer_path) if tokenizer_path else ByteTokenizer()
+    require(cfg.vocab_size >= tokenizer.vocab_size, f"the tokenizer ({tokenizer_path or 'bytes'}) has "
             f"{tokenizer.vocab_size} tokens, more than the model's vocab_size={cfg.vocab_size}; give a config "
             f"with vocab_size >= {tokenizer.vocab_size} or the model's own tokenizer")
     stream = load_token_stream(args.data, tokenizer)
@@ -199,6 +209,8 @@ def train(args) -> list[float]:
     folder = RunFolder(args.out or f"runs/{args.model}-{args.preset}")
     try:
         parallel, device = layout(args)
+        require(not args.init or parallel.world == 1, f"--init on {parallel.world} processes is not built yet; "
+                "start from the folder on one process, or train from scratch")
         run_id, resume_from = on_lead(parallel, lambda: folder.open(
             args.model, config_dict(cfg), args.resume, args.resume_from, args.overwrite))
         return train_on(args, cfg, parallel, device, stream, folder, run_id, resume_from)
@@ -294,6 +306,9 @@ def train_on(args, cfg, parallel: Parallel, device: torch.device, stream, folder
     dtype = DTYPES[args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
     model = build_model(MODELS[args.model][1], cfg, parallel, device, dtype, args.seed, args.seq_len, args.balance,
                         micro_batches)
+    if args.init and not resume_from:   # a resumed run's weights come from its checkpoint
+        from pith_apps.hf_checkpoint import load_hf_weights
+        load_hf_weights(model, args.init)
     if args.compile if args.compile is not None else device.type == "cuda":
         compile_stages(model)
     optimizer = adamw(model, args.lr, args.weight_decay)
