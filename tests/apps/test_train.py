@@ -237,3 +237,45 @@ def test_init_starts_from_a_hugging_face_folder_with_its_weights_and_tokenizer(t
         train_app.main(["qwen3", "--init", str(folder), "--config", str(folder / "config.json")])
     assert capsys.readouterr().err.strip() == ("pith-train: error: --init DIR takes the model's config from "
                                                "DIR/config.json; leave out --config")
+
+
+def write_dataset(folder, kind, docs, field="text"):
+    """docs as a dataset of one kind: a .jsonl, .parquet or .arrow file (column `field`), or a folder of .txt."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    folder.mkdir()
+    table = pa.table({field: docs, "id": list(range(len(docs)))})
+    if kind == "jsonl":
+        (folder / "docs.jsonl").write_text("".join(json.dumps({field: d}) + "\n" for d in docs))
+    elif kind == "parquet":
+        pq.write_table(table, folder / "docs.parquet")
+    elif kind == "arrow":
+        with pa.ipc.new_stream(str(folder / "docs.arrow"), table.schema) as writer:
+            writer.write_table(table)
+    else:   # two text files: a document per line
+        (folder / "a.txt").write_text("\n".join(docs[:2]) + "\n")
+        (folder / "b.txt").write_text("\n".join(docs[2:]) + "\n")
+    return folder if kind == "txt" else next(folder.iterdir())
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "parquet", "arrow", "txt"])
+def test_jsonl_parquet_arrow_and_a_folder_of_text_files_train(kind, tmp_path):
+    docs = ["Once upon a time there was a cat.", "It sat on a mat.", "The end.", "Ünïcödé 🙂 too."]
+    path = write_dataset(tmp_path / "data", kind, docs, field="text" if kind == "txt" else "content")
+    field = [] if kind == "txt" else ["--text-field", "content"]
+    tokenizer = ByteTokenizer()
+    expected = [i for d in docs for i in [*tokenizer.encode(d), tokenizer.eos_id]]
+    assert load_token_stream(path, tokenizer, "text" if kind == "txt" else "content").tolist() == expected
+    losses = train_app.train(train_app.parse_args(["qwen3", "--data", str(path), *field, "--out", str(tmp_path / "run"),
+                                                   "--steps", "3", "--batch-size", "2", "--seq-len", "16",
+                                                   "--save-every", "0", "--quiet"]))
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
+
+
+def test_a_missing_text_field_names_the_columns_in_one_line(tmp_path, capsys):
+    path = write_dataset(tmp_path / "data", "parquet", ["a", "b"], field="content")
+    with pytest.raises(SystemExit) as stop:
+        train_app.main(["qwen3", "--data", str(path), "--out", str(tmp_path / "run"), *QUICK])
+    assert stop.value.code == 2 and capsys.readouterr().err.strip() == (
+        f"pith-train: error: dataset '{path}' has columns ['content', 'id'], no 'text'; name the column to train on "
+        "with --text-field")

@@ -1,7 +1,7 @@
 """Text data -> tokens -> packed training batches.
 
-Text comes in through Hugging Face `datasets` (plain-text or JSON-lines files, one file or a folder of
-them). Documents are tokenized, joined with an end-of-document token into one stream, and each batch
+Text comes in through Hugging Face `datasets` (plain-text, JSON-lines, Parquet or Arrow files, one file or a
+folder of them). Documents are tokenized, joined with an end-of-document token into one stream, and each batch
 is a set of windows of that stream at offsets drawn from (seed, step): the sample order is a pure
 function of them, so a resumed run sees exactly the batches an uninterrupted run would have.
 """
@@ -13,7 +13,8 @@ import torch
 from pith_apps.config import ConfigError
 
 DEFAULT_CORPUS = Path(__file__).parent / "corpus" / "tiny_stories.txt"
-BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json"}
+BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
+KINDS = ".txt/.jsonl/.json/.parquet/.arrow"
 
 
 class ByteTokenizer:
@@ -70,17 +71,18 @@ def data_files(path: str | Path) -> tuple[str, list[str]]:
     """The `datasets` builder name and the files for a file or folder path."""
     path = Path(path)
     if not path.exists():
-        raise ConfigError(f"dataset path '{path}' does not exist; give a .txt/.jsonl/.json file or a folder of them")
+        raise ConfigError(f"dataset path '{path}' does not exist; give a {KINDS} file or a folder of them")
     files = sorted(p for p in path.iterdir() if p.suffix in BUILDERS) if path.is_dir() else [path]
     kinds = {BUILDERS.get(p.suffix) for p in files}
     if not files or None in kinds or len(kinds) > 1:
-        raise ConfigError(f"dataset path '{path}' must be one .txt/.jsonl/.json file or a folder of files of one "
-                          f"of those kinds; found {[p.name for p in files][:5] or 'no such files'}")
+        raise ConfigError(f"dataset path '{path}' must be one {KINDS} file or a folder of files of one of those "
+                          f"kinds; found {[p.name for p in files][:5] or 'no such files'}")
     return kinds.pop(), [str(p) for p in files]
 
 
-def load_token_stream(path: str | Path, tokenizer) -> torch.Tensor:
-    """All documents of the dataset as one int64 stream, documents separated by the eos token."""
+def load_token_stream(path: str | Path, tokenizer, text_field: str = "text") -> torch.Tensor:
+    """All documents of the dataset as one int64 stream, documents separated by the eos token. A document is
+    the text_field of a row (a .txt file's field is its lines, 'text')."""
     import datasets  # heavy import: only when data is actually loaded
 
     builder, files = data_files(path)
@@ -92,13 +94,15 @@ def load_token_stream(path: str | Path, tokenizer) -> torch.Tensor:
         dataset = datasets.load_dataset(builder, data_files=files, split="train")
     except Exception as err:   # datasets wraps every reading problem in its own exception types
         raise ConfigError(f"dataset '{path}' could not be read: {first_bad_line(builder, files) or root_cause(err)}") from None
-    if "text" not in dataset.column_names:
-        raise ConfigError(f"dataset '{path}' has columns {dataset.column_names}; a 'text' column is needed")
+    field = "text" if builder == "text" else text_field
+    if field not in dataset.column_names:
+        raise ConfigError(f"dataset '{path}' has columns {dataset.column_names}, no '{field}'; name the column to "
+                          "train on with --text-field")
     stream = []
-    for row, text in enumerate(dataset["text"]):
+    for row, text in enumerate(dataset[field]):
         if text is not None and not isinstance(text, str):
-            raise ConfigError(f"dataset '{path}' has a 'text' of type {type(text).__name__} in row {row + 1}; every "
-                              "'text' must be a string")
+            raise ConfigError(f"dataset '{path}' has a '{field}' of type {type(text).__name__} in row {row + 1}; "
+                              f"every '{field}' must be a string")
         if text:
             stream.extend(tokenizer.encode(text))
             stream.append(tokenizer.eos_id)
@@ -109,8 +113,8 @@ def load_token_stream(path: str | Path, tokenizer) -> torch.Tensor:
 
 def first_bad_line(builder: str, files: list[str]) -> str | None:
     """The first line of the files that is not UTF-8 (or, for JSON lines, not a JSON object), as 'file line N:
-    why'; None when every line reads."""
-    for file in files:
+    why'; None when every line reads, or for binary (Parquet, Arrow) files."""
+    for file in files if builder in ("text", "json") else []:
         with open(file, "rb") as f:
             for number, raw in enumerate(f, 1):
                 try:

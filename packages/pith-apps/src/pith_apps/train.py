@@ -56,8 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--preset and --config), its safetensors weights and, unless --tokenizer is given, its tokenizer.json. "
         "One process only, for now.")
     add("--layers", type=int, help="Keep only the first N decoder layers of the config, for experiments.")
-    add("--data", default=str(DEFAULT_CORPUS), help="A .txt or .jsonl file, or a folder of them, to train on "
-        "(default: the small corpus bundled with the app).")
+    add("--data", default=str(DEFAULT_CORPUS), help="A .txt, .jsonl, .json, .parquet or .arrow file, or a folder of "
+        "files of one of those kinds, to train on (default: the small corpus bundled with the app).")
+    add("--text-field", default="text", help="The column of a .jsonl, .json, .parquet or .arrow dataset that holds "
+        "the documents; a .txt file's lines are its documents (default: text).")
     add("--tokenizer", metavar="PATH", help="A Hugging Face tokenizer.json, or a folder holding one (and its "
         "tokenizer_config.json, which names the end-of-document token); default: UTF-8 bytes, 257 tokens.")
     add("--out", help="The run folder for TensorBoard logs and checkpoints (default: runs/<model>-<preset>).")
@@ -203,7 +205,7 @@ def train(args) -> list[float]:
     require(cfg.vocab_size >= tokenizer.vocab_size, f"the tokenizer ({tokenizer_path or 'bytes'}) has "
             f"{tokenizer.vocab_size} tokens, more than the model's vocab_size={cfg.vocab_size}; give a config "
             f"with vocab_size >= {tokenizer.vocab_size} or the model's own tokenizer")
-    stream = load_token_stream(args.data, tokenizer)
+    stream = load_token_stream(args.data, tokenizer, args.text_field)
     joined = join_processes(args)
     from pith_apps.run_folder import RunFolder   # heavy import (DCP, DTensor: ~0.8 s): only when training
     folder = RunFolder(args.out or f"runs/{args.model}-{args.preset}")
