@@ -8,6 +8,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import pith_apps.train as train_app
+from conftest import relative_error
 from pith_apps.data import DEFAULT_CORPUS, ByteTokenizer, HFTokenizer, batch_at, load_token_stream
 
 QUICK = ["--steps", "60", "--batch-size", "8", "--seq-len", "64", "--warmup", "10", "--quiet"]
@@ -213,12 +214,8 @@ def test_a_bad_tokenizer_ends_with_one_line(vocab, end_token, file, named, tmp_p
 def test_init_starts_from_a_hugging_face_folder_with_its_weights_and_tokenizer(tmp_path, capsys):
     """A tiny folder written by transformers, with a tokenizer.json: the run's first loss is that of the folder's
     weights on the first batch in the folder's tokens (not of a fresh init), and it trains."""
-    import transformers
-    from hf_compare import save_tiny_hf_model
     from pith_apps.hf_checkpoint import load_hf_weights
-    folder = bpe_tokenizer(tmp_path / "hf", 257)
-    preset = json.loads((train_app.PRESETS / "qwen3_tiny.json").read_text())
-    save_tiny_hf_model(transformers.AutoConfig.for_model(**preset), folder)
+    folder = tiny_hf_folder(tmp_path / "hf")
     losses = train_app.train(train_app.parse_args(["qwen3", "--init", str(folder), "--out", str(tmp_path / "run"),
                                                    *QUICK]))
     args = train_app.parse_args(["qwen3", "--config", str(folder / "config.json"), *QUICK])
@@ -279,3 +276,45 @@ def test_a_missing_text_field_names_the_columns_in_one_line(tmp_path, capsys):
     assert stop.value.code == 2 and capsys.readouterr().err.strip() == (
         f"pith-train: error: dataset '{path}' has columns ['content', 'id'], no 'text'; name the column to train on "
         "with --text-field")
+
+
+def tiny_hf_folder(folder):
+    """A tiny Qwen3-MoE folder as transformers writes it (random weights), with a 257-token tokenizer.json."""
+    import transformers
+    from hf_compare import save_tiny_hf_model
+    bpe_tokenizer(folder, 257)
+    (folder / "tokenizer_config.json").write_text('{"eos_token": "<|endoftext|>"}')
+    preset = json.loads((train_app.PRESETS / "qwen3_tiny.json").read_text())
+    save_tiny_hf_model(transformers.AutoConfig.for_model(**preset), folder)
+    return folder
+
+
+def test_fine_tune_then_export_gives_a_folder_transformers_loads_with_our_logits(tmp_path, capsys):
+    import transformers
+    from pith_apps.hf_checkpoint import load_hf_weights
+    start, export = tiny_hf_folder(tmp_path / "hf"), tmp_path / "export"
+    train_app.main(["qwen3", "--init", str(start), "--export-hf", str(export), "--out", str(tmp_path / "run"),
+                    "--steps", "5", "--batch-size", "4", "--seq-len", "32", "--quiet"])
+    assert f"exported the model to {export}" in capsys.readouterr().out
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (export / name).read_bytes() == (start / name).read_bytes()
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(export, attn_implementation="eager")
+    args = train_app.parse_args(["qwen3", "--init", str(export)])
+    ours, before = (train_app.MODELS["qwen3"][1](train_app.model_config(args)) for _ in range(2))
+    load_hf_weights(ours, export)
+    load_hf_weights(before, start)
+    ids = torch.randint(0, 257, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits, start_logits = ours(ids), before(ids)
+        assert relative_error(theirs(input_ids=ids).logits, logits) < 1e-5   # float32: summation order only
+        assert relative_error(start_logits, logits) > 1e-3   # the export holds the trained weights, not the start
+
+
+def test_export_to_a_folder_that_cannot_be_written_ends_with_one_line(tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit) as stop:
+        train_app.main(["qwen3", "--export-hf", str(tmp_path / "file" / "export"), "--out", str(tmp_path / "run"),
+                        "--steps", "2", "--batch-size", "2", "--seq-len", "16", "--quiet"])
+    assert stop.value.code == 2 and capsys.readouterr().err.strip() == (
+        f"pith-train: error: --export-hf {tmp_path / 'file' / 'export'}: could not write it (Not a directory); the "
+        "run and its checkpoints are intact")

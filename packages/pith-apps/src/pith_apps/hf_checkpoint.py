@@ -87,9 +87,10 @@ def read_mxfp4(model_dir: Path, files: dict, shard, name: str, experts: slice) -
 
 
 def save_hf(model: torch.nn.Module, config: dict, out_dir: str | Path, dtype: torch.dtype | None = None,
-            max_shard_bytes: int = MAX_SHARD_BYTES):
-    """Write config.json, safetensors shards of at most max_shard_bytes and their index to out_dir. The
-    directory is assembled beside out_dir and renamed into place, so a crash leaves no half export."""
+            max_shard_bytes: int = MAX_SHARD_BYTES, extra_files: dict | None = None):
+    """Write config.json, safetensors shards of at most max_shard_bytes and their index to out_dir, and copy
+    extra_files ({name in out_dir: source path}, e.g. the tokenizer's). The directory is assembled beside
+    out_dir and renamed into place, so a crash leaves no half export."""
     out_dir = Path(out_dir)
     views = []
     for name, view, *part in model.hf_views():
@@ -120,6 +121,8 @@ def save_hf(model: torch.nn.Module, config: dict, out_dir: str | Path, dtype: to
     written_dtype = str(dtype or views[0][1].dtype).removeprefix("torch.")
     config = {k: v for k, v in config.items() if k != "quantization_config"} | {"dtype": written_dtype}
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    for name, source in (extra_files or {}).items():
+        shutil.copyfile(source, tmp / name)
     replace_dir(tmp, out_dir)
 
 

@@ -36,6 +36,7 @@ MODELS = {"qwen3": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
           "gpt_oss": (GptOssConfig, GptOssForCausalLM)}
 FAMILY_OF = {"qwen3_moe": "qwen3", "deepseek_v2": "deepseek_v2", "gpt_oss": "gpt_oss"}   # config model_type -> family
 PRESETS = Path(__file__).parent / "presets"
+TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json")   # copied beside tokenizer.json on export
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -60,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
         "files of one of those kinds, to train on (default: the small corpus bundled with the app).")
     add("--text-field", default="text", help="The column of a .jsonl, .json, .parquet or .arrow dataset that holds "
         "the documents; a .txt file's lines are its documents (default: text).")
+    add("--export-hf", metavar="DIR", help="At the end of the run, write the trained model to DIR as a Hugging Face "
+        "folder: config.json, safetensors weights in the compute dtype and the tokenizer's files. One process only, "
+        "for now.")
     add("--tokenizer", metavar="PATH", help="A Hugging Face tokenizer.json, or a folder holding one (and its "
         "tokenizer_config.json, which names the end-of-document token); default: UTF-8 bytes, 257 tokens.")
     add("--out", help="The run folder for TensorBoard logs and checkpoints (default: runs/<model>-<preset>).")
@@ -169,7 +173,11 @@ def check_args(args):
 
 
 def model_config(args):
-    config_cls, _ = MODELS[args.model]
+    return MODELS[args.model][0].from_dict(hf_config_data(args))
+
+
+def hf_config_data(args) -> dict:
+    """The Hugging Face config the run's model is built from (preset, --config or --init, cut to --layers)."""
     require(not (args.init and args.config), "--init DIR takes the model's config from DIR/config.json; leave out "
             "--config")
     if args.init:
@@ -192,7 +200,7 @@ def model_config(args):
                 f"--layers={args.layers} must be at most the config's num_hidden_layers={layers}")
         data |= {"num_hidden_layers": args.layers} | (
             {"layer_types": data["layer_types"][:args.layers]} if "layer_types" in data else {})
-    return config_cls.from_dict(data)
+    return data
 
 
 def train(args) -> list[float]:
@@ -200,9 +208,9 @@ def train(args) -> list[float]:
     check_args(args)
     cfg = model_config(args)
     own = args.init if args.init and Path(args.init, "tokenizer.json").is_file() else None
-    tokenizer_path = args.tokenizer or own
-    tokenizer = HFTokenizer(tokenizer_path) if tokenizer_path else ByteTokenizer()
-    require(cfg.vocab_size >= tokenizer.vocab_size, f"the tokenizer ({tokenizer_path or 'bytes'}) has "
+    args.tokenizer = args.tokenizer or own   # resolved: the export copies its files
+    tokenizer = HFTokenizer(args.tokenizer) if args.tokenizer else ByteTokenizer()
+    require(cfg.vocab_size >= tokenizer.vocab_size, f"the tokenizer ({args.tokenizer or 'bytes'}) has "
             f"{tokenizer.vocab_size} tokens, more than the model's vocab_size={cfg.vocab_size}; give a config "
             f"with vocab_size >= {tokenizer.vocab_size} or the model's own tokenizer")
     stream = load_token_stream(args.data, tokenizer, args.text_field)
@@ -211,8 +219,9 @@ def train(args) -> list[float]:
     folder = RunFolder(args.out or f"runs/{args.model}-{args.preset}")
     try:
         parallel, device = layout(args)
-        require(not args.init or parallel.world == 1, f"--init on {parallel.world} processes is not built yet; "
-                "start from the folder on one process, or train from scratch")
+        for flag, value in (("--init", args.init), ("--export-hf", args.export_hf)):
+            require(not value or parallel.world == 1, f"{flag} on {parallel.world} processes is not built yet; "
+                    "run it on one process")
         run_id, resume_from = on_lead(parallel, lambda: folder.open(
             args.model, config_dict(cfg), args.resume, args.resume_from, args.overwrite))
         return train_on(args, cfg, parallel, device, stream, folder, run_id, resume_from)
@@ -351,6 +360,8 @@ def train_on(args, cfg, parallel: Parallel, device: torch.device, stream, folder
                     print(f"stopped by {signals.asked or 'a signal to another rank'} after step {step + 1}: {saved}; "
                           f"continue with --resume")
                 break
+    if args.export_hf and start + len(losses) == args.steps:
+        export_hf(args, model, dtype)
     if lead:
         writer.close()
         if losses:
@@ -394,6 +405,23 @@ def train_step(args, parallel: Parallel, device, model, optimizer, number: int, 
         raise ConfigError(f"step {number}: {what}; nothing of it was saved, the last checkpoint "
                           f"is intact; lower --lr (now {args.lr}) and continue with --resume or --resume-from")
     return loss_value, grad_norm, stop > 0
+
+
+def export_hf(args, model, dtype: torch.dtype):
+    """The trained model as a Hugging Face folder, with the tokenizer's files when it has a tokenizer.json."""
+    from pith_apps.hf_checkpoint import save_hf
+    extra = {}
+    if args.tokenizer:
+        path = Path(args.tokenizer)
+        file = path / "tokenizer.json" if path.is_dir() else path
+        extra = {"tokenizer.json": file} | {name: file.with_name(name) for name in TOKENIZER_FILES
+                                            if file.with_name(name).is_file()}
+    try:
+        save_hf(model, hf_config_data(args), args.export_hf, dtype=dtype, extra_files=extra)
+    except OSError as err:
+        raise ConfigError(f"--export-hf {args.export_hf}: could not write it ({err.strerror or err}); the run and its "
+                          "checkpoints are intact") from None
+    print(f"exported the model to {args.export_hf}")
 
 
 def checkpoint_bytes(model, parallel: Parallel) -> int:
