@@ -97,7 +97,8 @@ def batches(count: int, rows: int, seq: int, vocab: int, corpus: bool):
 def pith_setup(c: dict, preset: dict, hf_weights: str | None = None):
     """The app's model, optimizer and step function for configuration c."""
     import torch
-    from pith_apps.train import MODELS, build_model, check_args, layout, model_config, parse_args, train_step
+    from pith_apps.options import MODELS, check_args, model_config, parse_args
+    from pith_apps.train import build_model, layout, train_step
     from pith_engine.compile import compile_stages
     from pith_engine.optim import adamw
     with tempfile.TemporaryDirectory() as folder:

@@ -6,7 +6,7 @@ from torch._dynamo.utils import counters
 
 from conftest import relative_error
 from pith_apps.config import read_json
-from pith_apps.train import MODELS, PRESETS
+from pith_apps.options import MODELS, PRESETS
 from pith_engine.compile import compile_stages
 
 # distinct compiled graphs expected: stage 1 and stage 5 (+ DeepSeek's dense layer, + GPT-OSS's second

@@ -7,7 +7,8 @@ import torch.distributed as dist
 from conftest import relative_error
 from distributed import run_on_processes
 from pith_apps.config import read_json
-from pith_apps.train import MODELS, PRESETS, build_model
+from pith_apps.options import MODELS, PRESETS
+from pith_apps.train import build_model
 from pith_engine.data_parallel import clip_grad_norm
 from pith_engine.moe import update_expert_bias
 from pith_engine.parallel import Parallel

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+import pith_apps.options as options
 import pith_apps.train as train_app
 from conftest import relative_error
 from pith_apps.data import DEFAULT_CORPUS, ByteTokenizer, HFTokenizer, batch_at, load_token_stream
@@ -58,7 +59,7 @@ def test_resume_after_a_crash_repeats_the_uninterrupted_run_exactly(tmp_path, mo
 
 
 @pytest.mark.parametrize("model,preset", [(m, p.stem.removeprefix(f"{m}_")) for m in train_app.MODELS
-                                          for p in sorted(train_app.PRESETS.glob(f"{m}_*.json"))])
+                                          for p in sorted(options.PRESETS.glob(f"{m}_*.json"))])
 def test_every_preset_is_a_valid_config(model, preset):
     cfg = train_app.model_config(train_app.parse_args([model, "--preset", preset]))
     assert cfg.vocab_size >= 257 and cfg.num_hidden_layers >= 2
@@ -108,7 +109,7 @@ def test_bad_input_ends_with_one_clear_line(argv, named, tmp_path):
 
 
 def test_help_explains_every_flag_in_full_sentences():
-    parser = train_app.build_parser()
+    parser = options.build_parser()
     assert parser.description.endswith(".") and parser.description[0].isupper()
     for action in parser._actions[1:]:   # after -h, which argparse writes
         assert action.help and action.help[0].isupper() and action.help.endswith("."), action.dest
@@ -144,7 +145,7 @@ def test_bad_run_config_or_config_of_another_family_ends_with_one_line(toml, arg
     run, llama = tmp_path / "run.toml", tmp_path / "llama.json"
     run.write_text(toml + "\n")
     llama.write_text('{"model_type": "llama"}')
-    paths = {"RUN": str(run), "LLAMA": str(llama), "GPT_OSS": str(train_app.PRESETS / "gpt_oss_tiny.json")}
+    paths = {"RUN": str(run), "LLAMA": str(llama), "GPT_OSS": str(options.PRESETS / "gpt_oss_tiny.json")}
     argv = [paths.get(a, a) for a in argv]
     with pytest.raises(SystemExit) as stop:
         train_app.main([*argv, "--run-config", str(run), "--out", str(tmp_path / "out")])
@@ -284,7 +285,7 @@ def tiny_hf_folder(folder):
     from hf_compare import save_tiny_hf_model
     bpe_tokenizer(folder, 257)
     (folder / "tokenizer_config.json").write_text('{"eos_token": "<|endoftext|>"}')
-    preset = json.loads((train_app.PRESETS / "qwen3_tiny.json").read_text())
+    preset = json.loads((options.PRESETS / "qwen3_tiny.json").read_text())
     save_tiny_hf_model(transformers.AutoConfig.for_model(**preset), folder)
     return folder
 

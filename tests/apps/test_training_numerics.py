@@ -10,7 +10,8 @@ import torch
 from conftest import KERNEL_DEVICE, relative_error
 from pith_apps.config import read_json
 from pith_apps.models.deepseek_v2 import DeepseekV2Config, DeepseekV2ForCausalLM
-from pith_apps.train import MODELS, PRESETS, build_model, check_args, layout, model_config, parse_args, train_step
+from pith_apps.options import MODELS, PRESETS, check_args, model_config, parse_args
+from pith_apps.train import build_model, layout, train_step
 from pith_engine.data_parallel import embedding, shard_model
 from pith_engine.moe import LoadBalance, update_expert_bias
 from pith_engine.optim import adamw

@@ -6,7 +6,6 @@ streams batches from a text dataset (each data rank reads its share of every glo
 with AdamW, showing a progress bar, writing TensorBoard scalars to <out>/tb and atomic distributed
 checkpoints to <out>/checkpoints that --resume continues from, under the same or another layout.
 """
-import argparse
 import dataclasses
 import json
 import math
@@ -20,188 +19,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pith_apps.config import ConfigError, read_json, require
-from pith_apps.data import DEFAULT_CORPUS, ByteTokenizer, HFTokenizer, batch_at, load_token_stream
-from pith_apps.models.deepseek_v2 import DeepseekV2Config, DeepseekV2ForCausalLM
-from pith_apps.models.gpt_oss import GptOssConfig, GptOssForCausalLM
-from pith_apps.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
+from pith_apps.config import ConfigError, require
+from pith_apps.data import ByteTokenizer, HFTokenizer, batch_at, load_token_stream
+from pith_apps.options import (DTYPES, MODELS, TOKENIZER_FILES, check_args, hf_config_data, model_config, parse_args,
+                               run_config_text)
 from pith_engine.compile import compile_stages
 from pith_engine.data_parallel import clip_grad_norm, drop_compute_copies, local_part, shard_model
-from pith_engine.moe import BALANCE_MODES, update_expert_bias
-from pith_engine.optim import SCHEDULES, adamw, lr_at
+from pith_engine.moe import update_expert_bias
+from pith_engine.optim import adamw, lr_at
 from pith_engine.parallel import LayoutError, Parallel
-
-MODELS = {"qwen3": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
-          "deepseek_v2": (DeepseekV2Config, DeepseekV2ForCausalLM),
-          "gpt_oss": (GptOssConfig, GptOssForCausalLM)}
-FAMILY_OF = {"qwen3_moe": "qwen3", "deepseek_v2": "deepseek_v2", "gpt_oss": "gpt_oss"}   # config model_type -> family
-PRESETS = Path(__file__).parent / "presets"
-TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json")   # copied beside tokenizer.json on export
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-DESCRIPTION = ("Train a Qwen3-MoE, DeepSeek-V2 or GPT-OSS model on a text dataset with AdamW, showing a progress "
-               "bar, logging to TensorBoard and checkpointing so that --resume continues the run.")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pith-train", description=DESCRIPTION)
-    add = parser.add_argument
-    add("model", nargs="?", help=f"The model family to train: {', '.join(MODELS)}.")
-    add("--run-config", metavar="FILE.toml", help="A TOML file whose keys are these flags' names (model, preset, "
-        "batch-size, ...); flags given on the command line override it.")
-    add("--print-config", action="store_true", help="Print the resolved run as a TOML file for --run-config and exit.")
-    add("--preset", default="tiny", help="The size of the model, a config in pith_apps/presets (default: tiny).")
-    add("--config", help="A Hugging Face config.json to use instead of the preset.")
-    add("--init", metavar="DIR", help="Start from the Hugging Face model folder DIR: its config.json (instead of "
-        "--preset and --config), its safetensors weights and, unless --tokenizer is given, its tokenizer.json. "
-        "One process only, for now.")
-    add("--layers", type=int, help="Keep only the first N decoder layers of the config, for experiments.")
-    add("--data", default=str(DEFAULT_CORPUS), help="A .txt, .jsonl, .json, .parquet or .arrow file, or a folder of "
-        "files of one of those kinds, to train on (default: the small corpus bundled with the app).")
-    add("--text-field", default="text", help="The column of a .jsonl, .json, .parquet or .arrow dataset that holds "
-        "the documents; a .txt file's lines are its documents (default: text).")
-    add("--export-hf", metavar="DIR", help="At the end of the run, write the trained model to DIR as a Hugging Face "
-        "folder: config.json, safetensors weights in the compute dtype and the tokenizer's files. One process only, "
-        "for now.")
-    add("--tokenizer", metavar="PATH", help="A Hugging Face tokenizer.json, or a folder holding one (and its "
-        "tokenizer_config.json, which names the end-of-document token); default: UTF-8 bytes, 257 tokens.")
-    add("--out", help="The run folder for TensorBoard logs and checkpoints (default: runs/<model>-<preset>).")
-    add("--steps", type=int, default=300, help="The number of optimizer steps of the run (default: 300).")
-    add("--batch-size", type=int, default=16, help="Sequences per optimizer step, over all data ranks (default: 16).")
-    add("--micro-batch-size", type=int, help="Sequences per forward and backward on each data rank; the gradients "
-        "of batch-size / (micro-batch-size x data ranks) micro-batches are accumulated (default: one micro-batch).")
-    add("--seq-len", type=int, default=128, help="Tokens per training sequence (default: 128).")
-    add("--lr", type=float, default=3e-3, help="The peak learning rate of AdamW (default: 0.003).")
-    add("--warmup", type=int, default=30, help="Steps of linear learning-rate warmup (default: 30).")
-    add("--schedule", default="cosine", help=f"The learning-rate schedule after warmup: {', '.join(SCHEDULES)} "
-        "(default: cosine).")
-    add("--weight-decay", type=float, default=0.1, help="AdamW weight decay of the matrices; norms and biases have "
-        "none (default: 0.1).")
-    add("--clip", type=float, default=1.0, help="The global gradient norm is clipped to this (default: 1.0).")
-    add("--seed", type=int, default=0, help="Seeds the initial weights and the order of the data (default: 0).")
-    add("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="The device to train on: cpu, cuda "
-        "or cuda:N (default: cuda when torch sees a GPU, else cpu).")
-    add("--dtype", choices=DTYPES, help="The compute dtype; weights, gradients and optimizer state are always "
-        "float32 (default: bfloat16 on CUDA, float32 on CPU).")
-    add("--compile", action=argparse.BooleanOptionalAction, help="Compile the dense stages with torch.compile "
-        "(default: on for CUDA, off on CPU, where it costs minutes).")
-    add("--balance", help="Expert load balancing: " + ", ".join(BALANCE_MODES) + " (default: the family's own, "
-        "sequence for DeepSeek-V2 with seq_aux, else global_batch).")
-    for dim, meaning in (("dp", "data (FSDP2)"), ("ep", "expert"), ("pp", "pipeline (validated, not built yet)"),
-                         ("cp", "context (validated, not built yet)")):
-        add(f"--{dim}", type=int, default=1, help=f"The {meaning}-parallel size; the product of the four sizes "
-            "must be the number of processes (default: 1).")
-    add("--save-every", type=int, default=100, help="Checkpoint every N steps and at the end; 0 saves nothing, for "
-        "a measurement rather than a run to keep (default: 100).")
-    add("--resume", action="store_true", help="Continue from the newest checkpoint in <out>/checkpoints.")
-    add("--resume-from", metavar="STEP|PATH", help="Continue from the checkpoint of that step in <out>/checkpoints, "
-        "or from a checkpoint folder.")
-    add("--overwrite", action="store_true", help="Replace the run that <out> holds; its checkpoints and TensorBoard "
-        "logs are deleted.")
-    add("--quiet", action="store_true", help="Show no progress bar.")
-    return parser
-
-
-def parse_args(argv=None) -> argparse.Namespace:
-    """The flags, over the values of --run-config where one is given; ConfigError for a bad file."""
-    parser = build_parser()
-    known, _ = parser.parse_known_args(argv)
-    if known.run_config:
-        parser.set_defaults(**read_run_config(known.run_config, parser))
-    return parser.parse_args(argv)
-
-
-KIND_WORDS = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
-
-
-def read_run_config(path: str, parser: argparse.ArgumentParser) -> dict:
-    """The values of a TOML run config, by flag destination, each checked as the flag would check it."""
-    try:
-        import tomllib
-    except ModuleNotFoundError:   # Python 3.10
-        import tomli as tomllib
-    try:
-        data = tomllib.loads(Path(path).read_text())
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as err:
-        raise ConfigError(f"--run-config {path}: cannot read it as TOML ({err})") from None
-    actions = {action.dest: action for action in parser._actions
-               if action.dest not in ("help", "run_config", "print_config")}
-    values = {}
-    for key, value in data.items():
-        action = actions.get(key.replace("-", "_"))
-        require(action is not None, f"--run-config {path}: unknown key '{key}'; valid keys: "
-                f"{', '.join(sorted(a.replace('_', '-') for a in actions))}")
-        kind = bool if action.nargs == 0 else action.type or str   # nargs 0: a switch such as --resume
-        if kind is float and type(value) is int:
-            value = float(value)
-        require(type(value) is kind, f"--run-config {path}: '{key}' = {value!r} must be {KIND_WORDS[kind]}")
-        require(action.choices is None or value in action.choices,
-                f"--run-config {path}: '{key}' = {value!r} is not one of {', '.join(action.choices or ())}")
-        values[action.dest] = value
-    return values
-
-
-def run_config_text(args: argparse.Namespace) -> str:
-    """args as a TOML run config (flags left unset are left out)."""
-    lines = []
-    for dest, value in vars(args).items():
-        if value is not None and dest not in ("run_config", "print_config"):
-            text = str(value).lower() if isinstance(value, bool) else json.dumps(value)
-            lines.append(f"{dest.replace('_', '-')} = {text}")
-    return "\n".join(lines) + "\n"
-
-
-def check_args(args):
-    require(args.model is not None, f"no model family given; valid: {', '.join(MODELS)} (as the first argument or "
-            "the key 'model' of --run-config)")
-    require(args.model in MODELS, f"unknown model '{args.model}'; valid models: {', '.join(MODELS)}")
-    require(args.schedule in SCHEDULES, f"unknown --schedule '{args.schedule}'; valid: {', '.join(SCHEDULES)}")
-    require(args.balance in (None, *BALANCE_MODES), f"unknown --balance '{args.balance}'; valid: {', '.join(BALANCE_MODES)}")
-    require(args.save_every >= 0, f"--save-every={args.save_every} must be >= 0 (0: no checkpoints)")
-    require(not (args.overwrite and (args.resume or args.resume_from)),
-            "--overwrite starts the run over; it cannot go with --resume or --resume-from")
-    for flag in ("steps", "batch_size", "seq_len", "micro_batch_size", "layers"):
-        value = getattr(args, flag)
-        require(value is None or value > 0, f"--{flag.replace('_', '-')}={value} must be a positive integer")
-    require(args.lr > 0 and args.clip > 0, f"--lr={args.lr} and --clip={args.clip} must be > 0")
-    require(args.warmup >= 0 and args.weight_decay >= 0, "--warmup and --weight-decay must be >= 0")
-    require(args.device in ("cpu", "cuda") or args.device.startswith("cuda:"),
-            f"unknown --device '{args.device}'; valid: cpu, cuda, cuda:N")
-    require(not args.device.startswith("cuda") or torch.cuda.is_available(),
-            f"--device {args.device} asked for, but torch sees no CUDA device; use --device cpu")
-
-
-def model_config(args):
-    return MODELS[args.model][0].from_dict(hf_config_data(args))
-
-
-def hf_config_data(args) -> dict:
-    """The Hugging Face config the run's model is built from (preset, --config or --init, cut to --layers)."""
-    require(not (args.init and args.config), "--init DIR takes the model's config from DIR/config.json; leave out "
-            "--config")
-    if args.init:
-        require(Path(args.init, "config.json").is_file(), f"--init '{args.init}' has no config.json; give a Hugging "
-                "Face model folder (config.json and *.safetensors)")
-    path = Path(args.init, "config.json") if args.init else Path(args.config or PRESETS / f"{args.model}_{args.preset}.json")
-    valid = sorted(p.stem.removeprefix(f"{args.model}_") for p in PRESETS.glob(f"{args.model}_*.json"))
-    require(args.config or args.init or path.is_file(), f"unknown --preset '{args.preset}' for {args.model}; valid presets: "
-            f"{', '.join(valid)}")
-    data = read_json(path)
-    model_type = data.get("model_type")
-    family = FAMILY_OF.get(model_type, args.model if model_type is None else None)
-    require(family is not None, f"config '{path}' has model_type {model_type!r}, which Pith does not train; valid: "
-            + ", ".join(f"{kind} ({name})" for kind, name in FAMILY_OF.items()))
-    require(family == args.model, f"config '{path}' is a {family} config (model_type {model_type!r}), not {args.model}; "
-            f"run: pith-train {family} --config {path}")
-    if args.layers:
-        layers = data.get("num_hidden_layers")
-        require(isinstance(layers, int) and args.layers <= layers,
-                f"--layers={args.layers} must be at most the config's num_hidden_layers={layers}")
-        data |= {"num_hidden_layers": args.layers} | (
-            {"layer_types": data["layer_types"][:args.layers]} if "layer_types" in data else {})
-    return data
-
 
 def train(args) -> list[float]:
     """Run the training loop; returns the loss of every step run (the same on every rank)."""
