@@ -319,3 +319,20 @@ def test_export_to_a_folder_that_cannot_be_written_ends_with_one_line(tmp_path, 
     assert stop.value.code == 2 and capsys.readouterr().err.strip() == (
         f"pith-train: error: --export-hf {tmp_path / 'file' / 'export'}: could not write it (Not a directory); the "
         "run and its checkpoints are intact")
+
+
+def test_a_run_from_a_model_folder_is_named_after_it(tmp_path, monkeypatch):
+    start = tiny_hf_folder(tmp_path / "my-model")
+    monkeypatch.chdir(tmp_path)
+    train_app.main(["qwen3", "--init", str(start), "--steps", "1", "--batch-size", "2", "--seq-len", "16", "--quiet"])
+    assert (tmp_path / "runs" / "qwen3-my-model" / "run.json").is_file() and not (tmp_path / "runs" / "qwen3-tiny").exists()
+
+
+def test_without_a_terminal_progress_is_a_line_every_twentieth_of_the_run(capsys):
+    args = train_app.parse_args(["qwen3", "--steps", "50"])
+    update = train_app.make_progress(10, args, terminal=False)   # resumed at step 10: 40 steps to go
+    for step in range(40):
+        update(5.0 - step / 10, 1234.5)
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 20 and lines[0].startswith("step 12/50: loss 4.900, 1,234 tokens/s, eta ")
+    assert lines[-1] == "step 50/50: loss 1.100, 1,234 tokens/s, eta 0m00s"

@@ -49,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
         "for now.")
     add("--tokenizer", metavar="PATH", help="A Hugging Face tokenizer.json, or a folder holding one (and its "
         "tokenizer_config.json, which names the end-of-document token); default: UTF-8 bytes, 257 tokens.")
-    add("--out", help="The run folder for TensorBoard logs and checkpoints (default: runs/<model>-<preset>).")
+    add("--out", help="The run folder for TensorBoard logs and checkpoints (default: runs/<model>-<preset>, or "
+        "runs/<model>-<the --init folder's name>).")
     add("--steps", type=int, default=300, help="The number of optimizer steps of the run (default: 300).")
     add("--batch-size", type=int, default=16, help="Sequences per optimizer step, over all data ranks (default: 16).")
     add("--micro-batch-size", type=int, help="Sequences per forward and backward on each data rank; the gradients "

@@ -42,7 +42,7 @@ def train(args) -> list[float]:
     stream = load_token_stream(args.data, tokenizer, args.text_field)
     joined = join_processes(args)
     from pith_apps.run_folder import RunFolder   # heavy import (DCP, DTensor: ~0.8 s): only when training
-    folder = RunFolder(args.out or f"runs/{args.model}-{args.preset}")
+    folder = RunFolder(args.out or f"runs/{args.model}-{Path(args.init).name if args.init else args.preset}")
     try:
         parallel, device = layout(args)
         for flag, value in (("--init", args.init), ("--export-hf", args.export_hf)):
@@ -306,9 +306,13 @@ class StopSignals:
             signal.signal(sig, handler)
 
 
-def make_progress(start: int, args):
+def make_progress(start: int, args, terminal: bool | None = None):
+    """A progress bar with the ETA on a terminal (stderr); elsewhere (a log file, a job scheduler) a line every
+    twentieth of the run and at its end."""
     if args.quiet:
         return lambda loss, tokens_per_s: None
+    if not (sys.stderr.isatty() if terminal is None else terminal):
+        return progress_lines(start, args.steps)
     from tqdm import tqdm
     bar = tqdm(total=args.steps, initial=start, desc=f"train {args.model}", unit="step", dynamic_ncols=True)
 
@@ -317,6 +321,18 @@ def make_progress(start: int, args):
         bar.update()
         if bar.n == args.steps:
             bar.close()
+    return update
+
+
+def progress_lines(start: int, steps: int):
+    every, tic, done = max(1, (steps - start) // 20), time.perf_counter(), [start]
+
+    def update(loss, tokens_per_s):
+        done[0] += 1
+        if (done[0] - start) % every == 0 or done[0] == steps:
+            left = (time.perf_counter() - tic) / (done[0] - start) * (steps - done[0])
+            print(f"step {done[0]}/{steps}: loss {loss:.3f}, {tokens_per_s:,.0f} tokens/s, "
+                  f"eta {int(left // 60)}m{int(left % 60):02d}s", flush=True)
     return update
 
 
