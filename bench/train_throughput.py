@@ -9,7 +9,8 @@ Full width, 4 decoder layers (the real presets cut), 4096-token sequences of uni
 `accum` micro-batches of one sequence; median of the steps after 2 warm-ups (6 timed steps of 8 micro-batches,
 as many micro-batches' worth of shorter steps: 48 of one). Our side runs the app's own `train_step` on the
 app's model: precision "mixed" is the app's (fp32 master weights, gradients and AdamW state, bf16 compute),
-"bf16" the same step with the model cast to bf16. The baseline (bench/hf_baseline.py) does the matching
+"bf16" the same step with the model cast to bf16 (each kernel that can adds its gradient into the bf16 .grad
+itself: add_grads_in_kernels). The baseline (bench/hf_baseline.py) does the matching
 transformers step. MFU: model FLOPs per token (6 x the matmul weights a token passes through: attention,
 router, active and shared experts, LM head; plus causal attention scores, a sliding window's only up to its
 width) against the bf16 matmul peak measured here.
@@ -17,8 +18,8 @@ width) against the bf16 matmul peak measured here.
   PYTHONPATH=packages/pith-ops/src:packages/pith-engine/src:packages/pith-apps/src \
     python3 bench/train_throughput.py [--families qwen3] [--accum 1 8] [--precision bf16 mixed] [--repeats 2]
         [--sides pith] [--profile]
-  ... --parity [--precision mixed]: from the same transformers weights, our loss over 20 AdamW steps on
-      the bundled corpus (byte tokens) against transformers'
+  ... --parity [--precision mixed] [--lr 1e-4]: from the same transformers weights, our loss over 20 AdamW
+      steps on the bundled corpus (byte tokens) against transformers'
   ... --sdpa-check: transformers alone, and after one call of our causal attention in its process
   ... --grads: from the same weights, each gradient of one step against transformers' (mixed precision),
       with transformers' own bf16-vs-mixed difference per tensor for scale
@@ -100,6 +101,7 @@ def pith_setup(c: dict, preset: dict, hf_weights: str | None = None):
     from pith_apps.options import MODELS, check_args, model_config, parse_args
     from pith_apps.train import build_model, layout, train_step
     from pith_engine.compile import compile_stages
+    from pith_engine.data_parallel import add_grads_in_kernels
     from pith_engine.optim import adamw
     with tempfile.TemporaryDirectory() as folder:
         config_file = Path(folder, "config.json")
@@ -114,6 +116,7 @@ def pith_setup(c: dict, preset: dict, hf_weights: str | None = None):
                         args.seq_len, micro_batches=c["accum"])
     if not mixed:
         model.to(torch.bfloat16)
+        add_grads_in_kernels(model)
     if hf_weights:
         from pith_apps.hf_checkpoint import load_hf_weights
         load_hf_weights(model, hf_weights)
@@ -274,7 +277,7 @@ def matmul_peak(device: str) -> float:
             a @ a
         if cuda:
             torch.cuda.synchronize()
-    return round(2 * size**3 * repeat / (time.perf_counter() - tic) / 1e12, 1)
+    return float(f"{2 * size**3 * repeat / (time.perf_counter() - tic) / 1e12:.4g}")   # a CPU's is ~0.05
 
 
 # ---- the driver ----
@@ -333,7 +336,7 @@ def parity(args) -> dict:
     for family, precision in [(f, p) for f in args.families for p in args.precision]:
         folder = tempfile.mkdtemp(prefix=f"parity-{family}-")
         base = dict(family=family, preset=args.preset or REAL[family], layers=args.layers, seq=args.seq, steps=20,
-                    accum=1, device=args.device, lr=1e-4, precision=precision, aux=False, corpus=True)
+                    accum=1, device=args.device, lr=args.lr, precision=precision, aux=False, corpus=True)
         theirs = isolated(base | dict(side="hf", save_to=folder))
         ours = isolated(base | dict(side="pith", hf_weights=folder))
         other = isolated(base | dict(side="hf", hf_weights=folder, precision={"bf16": "mixed"}.get(precision, "bf16")))
@@ -387,6 +390,7 @@ def main():
     parser.add_argument("--profile", action="store_true", help="also profile one more step of each run: "
                         "$OUT/profile_<side>_<family>_<precision>_<accum>.txt and the row's GPU busy / idle time")
     parser.add_argument("--parity", action="store_true")
+    parser.add_argument("--lr", type=float, default=1e-4, help="the parity runs' learning rate (default 1e-4)")
     parser.add_argument("--sdpa-check", action="store_true")
     parser.add_argument("--grads", action="store_true", help="gradients, tensor by tensor, against transformers'")
     args = parser.parse_args()

@@ -74,29 +74,49 @@ def test_resume_with_nothing_to_resume_and_a_missing_step_are_named(tmp_path, ca
 
 
 def test_weights_that_become_non_finite_stop_the_run_before_any_save(tmp_path, capsys, monkeypatch):
-    """Poisoned after the update of step 7 (so the loss checked before it is finite): the run stops at step 7
-    with one line, step 5 stays the latest checkpoint and the run continues from it."""
+    """Poisoned after the update of step 10, a save step (a fault: a finite update of finite weights is finite):
+    the check before the save stops the run with one line, step 5 stays the latest checkpoint and the run
+    continues from it."""
     real_adamw = train_app.adamw
 
-    def poisoned_at_step_7(model, lr, weight_decay):
+    def poisoned_at_step_10(model, lr, weight_decay):
         optimizer = real_adamw(model, lr, weight_decay)
         step = optimizer.step
 
         def poisoning_step(*args, **kwargs):
             step(*args, **kwargs)
-            if next(iter(optimizer.state.values()))["step"].item() == 7:
+            if next(iter(optimizer.state.values()))["step"].item() == 10:
                 with torch.no_grad():
                     next(model.parameters())[0, 0] = float("nan")
         optimizer.step = poisoning_step
         return optimizer
-    monkeypatch.setattr(train_app, "adamw", poisoned_at_step_7)
-    error = one_line_error(capsys, tmp_path, "--steps", "10", "--save-every", "5")
-    assert error.startswith("step 7: the weights became non-finite after the update (the loss was ")
-    assert error.endswith("); nothing of it was saved, the last checkpoint is intact; lower --lr (now 0.003) and "
-                          "continue with --resume or --resume-from")
+    monkeypatch.setattr(train_app, "adamw", poisoned_at_step_10)
+    assert one_line_error(capsys, tmp_path, "--steps", "12", "--save-every", "5") == (
+        "step 10: the weights became non-finite; nothing of it was saved, the last checkpoint is intact; lower --lr "
+        "(now 0.003) and continue with --resume or --resume-from")
     assert checkpoint.latest(tmp_path / "checkpoints").name == "step-00000005"
     monkeypatch.setattr(train_app, "adamw", real_adamw)
     assert len(run(tmp_path, "--steps", "10", "--save-every", "5", "--resume")) == 5
+
+
+def test_a_non_finite_gradient_skips_the_update_and_stops_the_run_before_any_save(tmp_path, capsys, monkeypatch):
+    """A gradient that overflows at step 7: the fused step leaves the weights as they were and the run stops
+    with one line; step 5 stays the latest checkpoint."""
+    real_step = train_app.train_step
+    seen = {}
+
+    def overflowing_at_step_7(args, parallel, device, model, optimizer, number, *rest):
+        if number == 7:
+            seen.update(model=model, weights=[p.detach().clone() for p in model.parameters()])
+            model.model.embed_tokens.weight.register_hook(lambda grad: grad * float("inf"))
+        return real_step(args, parallel, device, model, optimizer, number, *rest)
+    monkeypatch.setattr(train_app, "train_step", overflowing_at_step_7)
+    error = one_line_error(capsys, tmp_path, "--steps", "10", "--save-every", "5")
+    assert error.startswith("step 7: the gradients became non-finite (the loss was ")
+    assert error.endswith("); the update was skipped and nothing of it was saved, the last checkpoint is intact; "
+                          "lower --lr (now 0.003) and continue with --resume or --resume-from")
+    assert all(torch.equal(p, w) for p, w in zip(seen["model"].parameters(), seen["weights"]))
+    assert checkpoint.latest(tmp_path / "checkpoints").name == "step-00000005"
 
 
 @pytest.mark.parametrize("harm", ["garble", "latest"])

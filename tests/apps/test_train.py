@@ -3,6 +3,7 @@ import math
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -10,7 +11,9 @@ import torch.distributed.checkpoint as dcp
 import pith_apps.options as options
 import pith_apps.train as train_app
 from conftest import relative_error
-from pith_apps.data import DEFAULT_CORPUS, ByteTokenizer, HFTokenizer, batch_at, load_token_stream
+from pith_apps.config import ConfigError
+from pith_apps.data import (DEFAULT_CORPUS, ByteTokenizer, HFTokenizer, batch_at, held_out_batch, split_held_out,
+                             token_store)
 
 QUICK = ["--steps", "60", "--batch-size", "8", "--seq-len", "64", "--warmup", "10", "--quiet"]
 
@@ -56,6 +59,10 @@ def test_resume_after_a_crash_repeats_the_uninterrupted_run_exactly(tmp_path, mo
     resumed = train_app.train(train_app.parse_args([*args, "--out", str(tmp_path / "b"), "--resume"]))
     # float32 on CPU, same batches (a pure function of seed and step), same state: bit-identical losses
     assert resumed == straight[20:]
+    # TensorBoard: the crashed run logged steps 1-24, the resumed one 21-30 after purging 21-24: each step once
+    curve = tensorboard_events(tmp_path / "b" / "tb").Scalars("train/loss")
+    assert [e.step for e in curve] == list(range(1, 31))
+    assert [e.value for e in curve] == [float(np.float32(x)) for x in straight]
 
 
 @pytest.mark.parametrize("model,preset", [(m, p.stem.removeprefix(f"{m}_")) for m in train_app.MODELS
@@ -77,8 +84,8 @@ def test_layers_cuts_a_real_preset_to_its_first_layers(model, preset):
     assert len(layers) == 4 and sum(layer.is_moe for layer in layers) == 4 - (model == "deepseek_v2")
 
 
-def test_batches_are_a_pure_function_of_seed_and_step():
-    stream = load_token_stream(DEFAULT_CORPUS, ByteTokenizer())
+def test_batches_are_a_pure_function_of_seed_and_step(tmp_path):
+    stream = token_store(DEFAULT_CORPUS, ByteTokenizer(), cache=tmp_path)
     a, b = batch_at(stream, 7, 0, 4, 32), batch_at(stream, 7, 0, 4, 32)
     assert torch.equal(a[0], b[0]) and torch.equal(a[0][:, 1:], a[1][:, :-1])
     assert not torch.equal(a[0], batch_at(stream, 8, 0, 4, 32)[0])
@@ -180,7 +187,7 @@ def test_a_hugging_face_tokenizer_encodes_each_document_and_ends_it_with_its_end
     tokenizer = HFTokenizer(folder)
     assert tokenizer.vocab_size == 300 and tokenizer.eos_id == tokenizer.tokenizer.token_to_id("<|im_end|>")
     expected = [i for d in docs for i in [*tokenizer.encode(d), tokenizer.eos_id]]
-    assert load_token_stream(data, tokenizer).tolist() == expected
+    assert token_store(data, tokenizer, cache=tmp_path / "cache").tolist() == expected
     assert [tokenizer.decode(tokenizer.encode(d)) for d in docs] == docs
     assert len(expected) < sum(len(d.encode()) for d in docs)   # merges: fewer tokens than bytes
 
@@ -223,7 +230,7 @@ def test_init_starts_from_a_hugging_face_folder_with_its_weights_and_tokenizer(t
     cfg = train_app.model_config(args)
     ours = train_app.MODELS["qwen3"][1](cfg)
     load_hf_weights(ours, folder)
-    stream = load_token_stream(DEFAULT_CORPUS, HFTokenizer(folder))
+    stream = token_store(DEFAULT_CORPUS, HFTokenizer(folder), cache=tmp_path / "cache")
     ids, labels = batch_at(stream, 0, 0, args.batch_size, args.seq_len)
     expected = (ours.loss_sum(ids, labels) / labels.numel()).item()
     fresh = train_app.train(train_app.parse_args(["qwen3", "--tokenizer", str(folder), "--steps", "1", "--out",
@@ -263,7 +270,7 @@ def test_jsonl_parquet_arrow_and_a_folder_of_text_files_train(kind, tmp_path):
     field = [] if kind == "txt" else ["--text-field", "content"]
     tokenizer = ByteTokenizer()
     expected = [i for d in docs for i in [*tokenizer.encode(d), tokenizer.eos_id]]
-    assert load_token_stream(path, tokenizer, "text" if kind == "txt" else "content").tolist() == expected
+    assert token_store(path, tokenizer, "text" if kind == "txt" else "content", tmp_path / "cache").tolist() == expected
     losses = train_app.train(train_app.parse_args(["qwen3", "--data", str(path), *field, "--out", str(tmp_path / "run"),
                                                    "--steps", "3", "--batch-size", "2", "--seq-len", "16",
                                                    "--save-every", "0", "--quiet"]))
@@ -336,3 +343,56 @@ def test_without_a_terminal_progress_is_a_line_every_twentieth_of_the_run(capsys
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 20 and lines[0].startswith("step 12/50: loss 4.900, 1,234 tokens/s, eta ")
     assert lines[-1] == "step 50/50: loss 1.100, 1,234 tokens/s, eta 0m00s"
+
+
+def tensorboard_events(folder):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(folder), size_guidance={"scalars": 0, "images": 0, "histograms": 0})
+    events.Reload()
+    return events
+
+
+def test_tensorboard_holds_the_scalars_the_held_out_loss_and_the_expert_load_pictures(tmp_path):
+    """6 steps, evaluated at 3 and 6 on the corpus's last 2 global batches (held out), pictures at 3 and 6. The
+    logged held-out loss is that of the saved step-6 weights on those tokens, recomputed here (1e-5); the aux
+    loss (Qwen3's switch loss, top_k = 2 when balanced, times coef 0.001 and 2 MoE layers) is near 0.004."""
+    from pith_engine import checkpoint
+    flags = ["qwen3", "--steps", "6", "--batch-size", "4", "--seq-len", "32", "--eval-every", "3", "--eval-batches", "2",
+             "--image-every", "3", "--save-every", "6", "--quiet", "--out", str(tmp_path / "run")]
+    args = train_app.parse_args(flags)
+    train_app.train(args)
+    events = tensorboard_events(tmp_path / "run" / "tb")
+    for tag in ("loss", "lr", "grad_norm", "tokens_per_s", "aux_loss"):
+        assert [e.step for e in events.Scalars(f"train/{tag}")] == [1, 2, 3, 4, 5, 6], tag
+    assert all(0.001 < e.value < 0.012 for e in events.Scalars("train/aux_loss"))
+    evals, perplexities = events.Scalars("eval/loss"), events.Scalars("eval/perplexity")
+    assert [e.step for e in evals] == [e.step for e in perplexities] == [3, 6]
+    assert all(abs(p.value - math.exp(e.value)) < 1e-5 * p.value for e, p in zip(evals, perplexities))
+    tokens = token_store(DEFAULT_CORPUS, ByteTokenizer(), cache=tmp_path / "cache")
+    held = torch.from_numpy(np.asarray(tokens[len(tokens) - 2 * 4 * 32 - 1:], dtype=np.int64))
+    windows = torch.stack([held[row * 32:row * 32 + 33] for row in range(8)])
+    model = train_app.MODELS["qwen3"][1](train_app.model_config(args))
+    checkpoint.load(tmp_path / "run" / "checkpoints" / "step-00000006", model, train_app.adamw(model, 1e-3, 0.0))
+    with torch.no_grad():
+        expected = (model.loss_sum(windows[:, :-1], windows[:, 1:]) / windows[:, 1:].numel()).item()
+    assert abs(evals[-1].value - expected) < 1e-5 * expected
+    pictures = events.Images("experts/load")
+    assert [e.step for e in pictures] == [3, 6] and (pictures[0].height, pictures[0].width) == (2 * 8, 8 * 8)
+    histograms = [tag for tag in events.Tags()["histograms"] if tag.startswith("experts/load_of_layer_")]
+    assert sorted(histograms) == ["experts/load_of_layer_0", "experts/load_of_layer_1"]
+    assert [e.step for e in events.Histograms("experts/load_of_layer_1")] == [3, 6]
+    # each layer's loads over their mean: the histogram of 8 experts sums to 8
+    assert abs(events.Histograms("experts/load_of_layer_0")[0].histogram_value.sum - 8) < 1e-4
+
+
+def test_training_never_reads_the_held_out_tokens_and_too_little_data_is_named():
+    tokens = np.arange(1000, dtype=np.uint32)
+    train, held = split_held_out(tokens, 2, 4, 16)
+    assert len(held) == 2 * 4 * 16 + 1 and np.array_equal(np.concatenate([train, held]), tokens)
+    seen = torch.cat([torch.cat(batch_at(train, step, 0, 4, 16)) for step in range(40)])
+    assert seen.max().item() == len(train) - 1 - (len(train) - 1) % 16   # the last sample's last label
+    ids, labels = held_out_batch(held, 1, 4, 16)
+    assert ids[0, 0].item() == len(train) + 4 * 16 and torch.equal(ids[:, 1:], labels[:, :-1])
+    with pytest.raises(ConfigError, match=r"^the dataset's 1,000 tokens cannot hold out --eval-batches 8 of 8 x 16 "
+                                          r"tokens and still train; lower --eval-batches or use more data$"):
+        split_held_out(tokens, 8, 8, 16)

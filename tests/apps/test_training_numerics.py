@@ -12,7 +12,7 @@ from pith_apps.config import read_json
 from pith_apps.models.deepseek_v2 import DeepseekV2Config, DeepseekV2ForCausalLM
 from pith_apps.options import MODELS, PRESETS, check_args, model_config, parse_args
 from pith_apps.train import build_model, layout, train_step
-from pith_engine.data_parallel import embedding, shard_model
+from pith_engine.data_parallel import add_grads_in_kernels, embedding, shard_model
 from pith_engine.moe import LoadBalance, update_expert_bias
 from pith_engine.optim import adamw
 from pith_engine.parallel import Parallel
@@ -117,12 +117,10 @@ class Experts(torch.nn.Module):
         return grouped_linear(x, self.weight, tokens_per_expert, use_triton=True)
 
 
-def test_one_process_expert_weight_gradient_is_summed_in_fp32_straight_into_the_master_gradient():
-    """On CUDA the grouped weight-gradient kernel adds each micro-batch's gradient of a bf16 copy straight into
-    the fp32 master's .grad (summed in fp32, never rounded to bf16) and autograd adds nothing more."""
+def three_micro_batches(experts) -> torch.Tensor:
+    """Backward of 3 micro-batches through the experts; returns the float64 sum of their weight gradients."""
     torch.manual_seed(3)
     counts = torch.tensor([17, 0, 70, 1], device=KERNEL_DEVICE)   # an idle expert; 70 rows: two row blocks
-    experts = shard_model(Experts(4, 130, 24), Parallel(), param_dtype=torch.bfloat16)   # 130: a partial tile
     expected = torch.zeros(4, 130, 24, dtype=torch.float64)
     for _ in range(3):
         x = torch.randn(88, 24, device=KERNEL_DEVICE).bfloat16()
@@ -130,10 +128,32 @@ def test_one_process_expert_weight_gradient_is_summed_in_fp32_straight_into_the_
         experts(x, counts).backward(grad)
         for e, rows in enumerate(torch.split(torch.arange(88), counts.tolist())):
             expected[e] += grad[rows].double().T @ x[rows].double()
+    return expected
+
+
+def test_one_process_expert_weight_gradient_is_summed_in_fp32_straight_into_the_master_gradient():
+    """On CUDA the grouped weight-gradient kernel adds each micro-batch's gradient of a bf16 copy straight into
+    the fp32 master's .grad (summed in fp32, never rounded to bf16) and autograd adds nothing more."""
+    experts = shard_model(Experts(4, 130, 24), Parallel(), param_dtype=torch.bfloat16)   # 130: a partial tile
+    expected = three_micro_batches(experts)
     assert experts.weight.grad.dtype == torch.float32
     # exact bf16 products, fp32 sums of 70 and of 3 terms: ~1e-7; a bf16 rounding per micro-batch would be ~1e-3
     assert relative_error(experts.weight.grad, expected) < 1e-6
     assert torch.equal(experts.weight.grad[1], torch.zeros(130, 24, device=KERNEL_DEVICE))
+
+
+def test_a_bf16_model_adds_each_micro_batch_expert_weight_gradient_into_its_grad_inside_the_kernel(monkeypatch):
+    """The pure-bf16 step (add_grads_in_kernels): the kernel sums a micro-batch in fp32 and adds it to the bf16
+    .grad with one rounding; no separate weight gradient is made and autograd adds nothing more."""
+    import pith_ops.grouped_gemm as grouped_gemm
+    monkeypatch.setattr(grouped_gemm, "grouped_wgrad", None)   # the path that writes a gradient, then adds it
+    experts = Experts(4, 130, 24).to(torch.bfloat16)
+    add_grads_in_kernels(experts)
+    expected = three_micro_batches(experts)
+    assert experts.weight.grad.dtype == torch.bfloat16
+    # a rounding to bf16 is at most 2^-9 (2e-3) relative: three stay below 1e-2; a doubled gradient would be off by 1
+    assert relative_error(experts.weight.grad, expected) < 1e-2
+    assert torch.equal(experts.weight.grad[1], torch.zeros(130, 24, dtype=torch.bfloat16, device=KERNEL_DEVICE))
 
 
 class Lookup(torch.nn.Module):

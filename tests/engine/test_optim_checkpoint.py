@@ -4,7 +4,8 @@ import pytest
 import torch
 
 import pith_engine.checkpoint as checkpoint
-from pith_engine.optim import adamw, lr_at
+from pith_engine.data_parallel import clip_grad_norm, grad_norm
+from pith_engine.optim import adamw, clipped_step, lr_at
 
 
 def test_lr_schedule_warmup_then_cosine_to_the_floor():
@@ -28,6 +29,45 @@ def test_weight_decay_only_on_matrices():
     decay, no_decay = adamw(model, lr=1e-3, weight_decay=0.1).param_groups
     assert [p.ndim for p in decay["params"]] == [2] and decay["weight_decay"] == 0.1
     assert all(p.ndim == 1 for p in no_decay["params"]) and no_decay["weight_decay"] == 0.0
+
+
+def two_linears(grad_scale: float):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Linear(4, 3))
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) * grad_scale
+    return model
+
+
+@pytest.mark.parametrize("grad_scale", [0.01, 10.0])   # norm ~0.04, below the clip; ~40, above it
+def test_the_clip_inside_the_fused_step_updates_as_clipping_the_gradients_first(grad_scale):
+    folded, first = two_linears(grad_scale), two_linears(grad_scale)
+    folded_opt, first_opt = adamw(folded, 0.1, 0.1), adamw(first, 0.1, 0.1)
+    norm = grad_norm(folded.parameters())
+    assert norm.item() == pytest.approx(math.sqrt(sum((p.grad.double() ** 2).sum().item() for p in first.parameters())))
+    for _ in range(2):   # the second step also checks that no scale is left behind on the optimizer
+        clipped_step(folded_opt, grad_norm(folded.parameters()), 1.0)
+        assert not hasattr(folded_opt, "grad_scale") and not hasattr(folded_opt, "found_inf")
+        clip_grad_norm(first.parameters(), 1.0)
+        first_opt.step()
+    for a, b in zip(folded.parameters(), first.parameters()):   # a division where the reference multiplies: 1 ulp
+        assert torch.allclose(a, b, rtol=0, atol=1e-6)
+    assert not torch.allclose(folded[0].weight, two_linears(grad_scale)[0].weight, rtol=0, atol=1e-3)   # it moved
+
+
+def test_a_non_finite_gradient_norm_skips_the_step_and_leaves_weights_and_state_as_they_were():
+    model = two_linears(1.0)
+    optimizer = adamw(model, 0.1, 0.1)
+    clipped_step(optimizer, grad_norm(model.parameters()), 1.0)
+    weights = [p.detach().clone() for p in model.parameters()]
+    state = [{k: v.clone() for k, v in optimizer.state[p].items()} for p in model.parameters()]
+    next(model.parameters()).grad[0, 0] = float("inf")
+    norm = grad_norm(model.parameters())
+    assert norm.item() == float("inf")
+    clipped_step(optimizer, norm, 1.0)
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
+    for p, before in zip(model.parameters(), state):
+        assert all(torch.equal(optimizer.state[p][k], v) for k, v in before.items())
 
 
 def test_crash_during_save_keeps_the_previous_checkpoint_and_old_ones_are_pruned(tmp_path, monkeypatch):

@@ -2,6 +2,7 @@
 checks, and the Hugging Face config a run's model is built from."""
 import argparse
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -42,6 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("--layers", type=int, help="Keep only the first N decoder layers of the config, for experiments.")
     add("--data", default=str(DEFAULT_CORPUS), help="A .txt, .jsonl, .json, .parquet or .arrow file, or a folder of "
         "files of one of those kinds, to train on (default: the small corpus bundled with the app).")
+    add("--data-cache", default=str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pith" / "tokens"),
+        help="The folder where a dataset is stored tokenized, once per dataset and tokenizer, for every run and process "
+        "to read (default: $XDG_CACHE_HOME/pith/tokens, else ~/.cache/pith/tokens).")
+    add("--data-workers", type=int, default=min(8, os.cpu_count() or 1), help="Processes that tokenize a dataset "
+        "(default: the CPU count, at most 8); a dataset of fewer than 2000 documents takes one.")
     add("--text-field", default="text", help="The column of a .jsonl, .json, .parquet or .arrow dataset that holds "
         "the documents; a .txt file's lines are its documents (default: text).")
     add("--export-hf", metavar="DIR", help="At the end of the run, write the trained model to DIR as a Hugging Face "
@@ -83,7 +89,13 @@ def build_parser() -> argparse.ArgumentParser:
         "or from a checkpoint folder.")
     add("--overwrite", action="store_true", help="Replace the run that <out> holds; its checkpoints and TensorBoard "
         "logs are deleted.")
-    add("--quiet", action="store_true", help="Show no progress bar.")
+    add("--eval-every", type=int, default=0, help="Every N steps and at the last, the mean loss and perplexity on "
+        "held-out data (the dataset's last --eval-batches global batches, never trained on), logged to TensorBoard "
+        "(default: 0, no evaluation).")
+    add("--eval-batches", type=int, default=4, help="Global batches held out for --eval-every (default: 4).")
+    add("--image-every", type=int, default=50, help="Every N steps and at the last, each MoE layer's expert load to "
+        "TensorBoard as a heatmap (layers x experts) and histograms (default: 50).")
+    add("--quiet", action="store_true", help="Show no progress bar and no line on tokenizing a dataset.")
     return parser
 
 
@@ -142,10 +154,12 @@ def check_args(args):
     require(args.model in MODELS, f"unknown model '{args.model}'; valid models: {', '.join(MODELS)}")
     require(args.schedule in SCHEDULES, f"unknown --schedule '{args.schedule}'; valid: {', '.join(SCHEDULES)}")
     require(args.balance in (None, *BALANCE_MODES), f"unknown --balance '{args.balance}'; valid: {', '.join(BALANCE_MODES)}")
+    require(args.eval_every >= 0, f"--eval-every={args.eval_every} must be >= 0 (0: no evaluation)")
     require(args.save_every >= 0, f"--save-every={args.save_every} must be >= 0 (0: no checkpoints)")
     require(not (args.overwrite and (args.resume or args.resume_from)),
             "--overwrite starts the run over; it cannot go with --resume or --resume-from")
-    for flag in ("steps", "batch_size", "seq_len", "micro_batch_size", "layers"):
+    for flag in ("steps", "batch_size", "seq_len", "micro_batch_size", "layers", "data_workers", "eval_batches",
+                 "image_every"):
         value = getattr(args, flag)
         require(value is None or value > 0, f"--{flag.replace('_', '-')}={value} must be a positive integer")
     require(args.lr > 0 and args.clip > 0, f"--lr={args.lr} and --clip={args.clip} must be > 0")

@@ -20,13 +20,14 @@ import torch
 import torch.distributed as dist
 
 from pith_apps.config import ConfigError, require
-from pith_apps.data import ByteTokenizer, HFTokenizer, batch_at, load_token_stream
+from pith_apps.data import ByteTokenizer, HFTokenizer, batch_at, held_out_batch, split_held_out, token_store
 from pith_apps.options import (DTYPES, MODELS, TOKENIZER_FILES, check_args, hf_config_data, model_config, parse_args,
                                run_config_text)
+from pith_apps.run_log import RunLog
 from pith_engine.compile import compile_stages
-from pith_engine.data_parallel import clip_grad_norm, drop_compute_copies, local_part, shard_model
+from pith_engine.data_parallel import drop_compute_copies, grad_norm, local_part, shard_model
 from pith_engine.moe import update_expert_bias
-from pith_engine.optim import adamw, lr_at
+from pith_engine.optim import adamw, clipped_step, lr_at
 from pith_engine.parallel import LayoutError, Parallel
 
 def train(args) -> list[float]:
@@ -39,7 +40,10 @@ def train(args) -> list[float]:
     require(cfg.vocab_size >= tokenizer.vocab_size, f"the tokenizer ({args.tokenizer or 'bytes'}) has "
             f"{tokenizer.vocab_size} tokens, more than the model's vocab_size={cfg.vocab_size}; give a config "
             f"with vocab_size >= {tokenizer.vocab_size} or the model's own tokenizer")
-    stream = load_token_stream(args.data, tokenizer, args.text_field)
+    lead = int(os.environ.get("RANK", "0")) == 0   # the process group is not joined yet
+    stream = token_store(args.data, tokenizer, args.text_field, args.data_cache, args.data_workers,
+                         log=print if lead and not args.quiet else lambda line: None)
+    stream, held_out = split_held_out(stream, args.eval_batches if args.eval_every else 0, args.batch_size, args.seq_len)
     joined = join_processes(args)
     from pith_apps.run_folder import RunFolder   # heavy import (DCP, DTensor: ~0.8 s): only when training
     folder = RunFolder(args.out or f"runs/{args.model}-{Path(args.init).name if args.init else args.preset}")
@@ -50,7 +54,7 @@ def train(args) -> list[float]:
                     "run it on one process")
         run_id, resume_from = on_lead(parallel, lambda: folder.open(
             args.model, config_dict(cfg), args.resume, args.resume_from, args.overwrite))
-        return train_on(args, cfg, parallel, device, stream, folder, run_id, resume_from)
+        return train_on(args, cfg, parallel, device, (stream, held_out), folder, run_id, resume_from)
     finally:
         folder.release()
         if joined:
@@ -136,8 +140,10 @@ def micro_batches_of(args, parallel: Parallel, input_ids, labels):
         yield input_ids[rows], labels[rows]
 
 
-def train_on(args, cfg, parallel: Parallel, device: torch.device, stream, folder, run_id: str,
+def train_on(args, cfg, parallel: Parallel, device: torch.device, data, folder, run_id: str,
              resume_from: Path | None) -> list[float]:
+    """data: (training tokens, held-out tokens)."""
+    stream, held_out = data
     torch.manual_seed(args.seed)   # the global generators (CPU and CUDA, checkpointed) start alike in every run
     micro_batches = args.batch_size // (micro_batch_size(args, parallel) * parallel.data_ranks)
     dtype = DTYPES[args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
@@ -154,31 +160,31 @@ def train_on(args, cfg, parallel: Parallel, device: torch.device, stream, folder
         on_lead(parallel, lambda: folder.check_space(size))
     start = restore(resume_from, model, optimizer, cfg, folder, parallel) if resume_from else 0
     lead = parallel.rank == 0
-    from torch.utils.tensorboard import SummaryWriter  # heavy import: only when training
-    writer = SummaryWriter(folder.tb) if lead else None
-    losses, speeds = [], []
+    losses, speeds, evals = [], [], []
     progress = make_progress(start, args) if lead else lambda loss, tokens_per_s: None
     saved_meta = dict(run=run_id, config=config_dict(cfg), layout=dict(dp=parallel.dp, ep=parallel.ep))
-    with StopSignals() as signals:
+    with StopSignals() as signals, RunLog(folder.tb, start, lead, args.image_every) as log:
         for step in range(start, args.steps):
             tic = time.perf_counter()
             lr = lr_at(step, args.lr, args.warmup, args.steps, args.schedule)
             for group in optimizer.param_groups:
                 group["lr"] = lr
             input_ids, labels = batch_at(stream, step, args.seed, args.batch_size, args.seq_len)
-            loss_value, grad_norm, stop = train_step(args, parallel, device, model, optimizer, step + 1, input_ids,
-                                                     labels, signals.asked is not None)
+            loss_value, norm, stop, routing = train_step(args, parallel, device, model, optimizer, step + 1, input_ids,
+                                                         labels, signals.asked is not None)
             tokens_per_s = args.batch_size * args.seq_len / (time.perf_counter() - tic)
             losses.append(loss_value)
             speeds.append(tokens_per_s)
-            if lead:
-                scalars = dict(loss=loss_value, lr=lr, grad_norm=grad_norm.item(), tokens_per_s=tokens_per_s)
-                if device.type == "cuda":
-                    scalars["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-                for name, value in scalars.items():
-                    writer.add_scalar(f"train/{name}", value, step + 1)
+            scalars = dict(loss=loss_value, lr=lr, grad_norm=norm, tokens_per_s=tokens_per_s)
+            if device.type == "cuda":
+                scalars["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+            log.step(step + 1, scalars, routing, last=step + 1 == args.steps or stop)
+            if args.eval_every and ((step + 1) % args.eval_every == 0 or step + 1 == args.steps):
+                evals.append(evaluate(args, parallel, device, model, held_out))
+                log.eval(step + 1, evals[-1])
             progress(loss_value, tokens_per_s)
             if args.save_every and ((step + 1) % args.save_every == 0 or step + 1 == args.steps or stop):
+                require_finite_weights(model, parallel, step + 1, args.lr)
                 save(folder, step + 1, model, optimizer, saved_meta)
             if stop:
                 if lead:
@@ -189,13 +195,13 @@ def train_on(args, cfg, parallel: Parallel, device: torch.device, stream, folder
     if args.export_hf and start + len(losses) == args.steps:
         export_hf(args, model, dtype)
     if lead:
-        writer.close()
         if losses:
             memory = (f", peak memory {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB"
                       if device.type == "cuda" else "")
             print(f"trained steps {start + 1}-{start + len(losses)}: loss {losses[0]:.3f} -> {losses[-1]:.3f} "
                   f"(mean of last 10: {sum(losses[-10:]) / len(losses[-10:]):.3f}), "
                   f"{sorted(speeds)[len(speeds) // 2]:,.0f} tokens/s (median step){memory}; "
+                  f"{f'held-out loss {evals[-1]:.3f} (perplexity {math.exp(min(evals[-1], 700)):.2f}), ' if evals else ''}"
                   f"{'checkpoints ' + str(folder.checkpoints) + ', ' if args.save_every else ''}"
                   f"TensorBoard logs {folder.tb}")
     return losses
@@ -203,8 +209,8 @@ def train_on(args, cfg, parallel: Parallel, device: torch.device, stream, folder
 
 def train_step(args, parallel: Parallel, device, model, optimizer, number: int, input_ids, labels, stop_asked: bool):
     """Optimizer step `number` (from 1) on a global batch, its micro-batches' gradients accumulated. Returns the
-    step's loss, the gradient norm before the clip and whether any rank was asked to stop (loss and stop the same
-    on every rank); ConfigError when the loss or the updated weights are not finite (before anything is saved)."""
+    step's loss, the gradient norm before the clip, whether any rank was asked to stop (the same on every
+    rank) and the step's routing (update_expert_bias); ConfigError when the loss or the gradients are not finite, the update skipped (before anything is saved)."""
     tokens = (labels != -100).sum().item()   # of the global batch: each micro-batch's loss is its share of the mean
     if device.type == "cuda":   # one copy a step that does not wait: a blocking one waits for the GPU to drain
         input_ids, labels = (t.pin_memory().to(device, non_blocking=True) for t in (input_ids, labels))
@@ -216,21 +222,34 @@ def train_step(args, parallel: Parallel, device, model, optimizer, number: int, 
             drop_compute_copies(model)   # the backward below frees each bf16 copy once its layer is done
         micro_loss.backward()
         loss += micro_loss.detach()
-    grad_norm = clip_grad_norm(model.parameters(), args.clip)
-    optimizer.step()
+    norm = grad_norm(model.parameters())
+    clipped_step(optimizer, norm, args.clip)
     optimizer.zero_grad(set_to_none=True)
-    update_expert_bias(model)
-    weights = torch.stack(torch._foreach_norm([local_part(p.detach()) for p in model.parameters()])).sum()
-    totals = torch.stack([loss, weights.to(device), torch.tensor(float(stop_asked), device=device)])
-    if parallel.world > 1:   # one all-reduce: losses add up over data ranks, a non-finite weight anywhere shows
+    routing = update_expert_bias(model)
+    totals = torch.stack([loss, torch.tensor(float(stop_asked), device=device)])
+    if parallel.world > 1:   # one all-reduce: losses add up over data ranks, a stop asked of any rank shows
         dist.all_reduce(totals)
-    loss_value, weights_value, stop = totals.tolist()
-    if not math.isfinite(loss_value) or not math.isfinite(weights_value):
+    loss_value, stop, norm_value = torch.cat([totals, norm.view(1)]).tolist()
+    if not math.isfinite(loss_value) or not math.isfinite(norm_value):
         what = f"the loss became {loss_value}" if not math.isfinite(loss_value) else \
-            f"the weights became non-finite after the update (the loss was {loss_value:.4g})"
-        raise ConfigError(f"step {number}: {what}; nothing of it was saved, the last checkpoint "
-                          f"is intact; lower --lr (now {args.lr}) and continue with --resume or --resume-from")
-    return loss_value, grad_norm, stop > 0
+            f"the gradients became non-finite (the loss was {loss_value:.4g})"
+        raise ConfigError(f"step {number}: {what}; the update was skipped and nothing of it was saved, the last "
+                          f"checkpoint is intact; lower --lr (now {args.lr}) and continue with --resume or --resume-from")
+    return loss_value, norm_value, stop > 0, routing
+
+
+@torch.no_grad()
+def evaluate(args, parallel: Parallel, device, model, held_out) -> float:
+    """Mean loss per token over the held-out batches, the same on every rank (each data rank its rows)."""
+    totals = torch.zeros(2, device=device)
+    for index in range(args.eval_batches):
+        input_ids, labels = held_out_batch(held_out, index, args.batch_size, args.seq_len)
+        for ids, targets in micro_batches_of(args, parallel, input_ids, labels):
+            totals[0] += model.loss_sum(ids.to(device), targets.to(device))
+            totals[1] += (targets != -100).sum()
+    if parallel.world > 1:
+        dist.all_reduce(totals)
+    return (totals[0] / totals[1]).item()
 
 
 def export_hf(args, model, dtype: torch.dtype):
@@ -256,6 +275,18 @@ def checkpoint_bytes(model, parallel: Parallel) -> int:
     if parallel.world > 1:
         dist.all_reduce(size)
     return int(size.item())
+
+
+def require_finite_weights(model, parallel: Parallel, number: int, lr: float):
+    """Before a save. A step whose gradient norm is not finite is skipped, and AdamW moves a weight by about lr
+    at most, so only a fault (bad memory, a bug, a weight written by other code) gets here: checked at saves
+    only, as it reads every weight."""
+    total = torch.stack(torch._foreach_norm([local_part(p.detach()) for p in model.parameters()])).sum()
+    if parallel.world > 1:
+        dist.all_reduce(total)
+    if not math.isfinite(total.item()):
+        raise ConfigError(f"step {number}: the weights became non-finite; nothing of it was saved, the last checkpoint "
+                          f"is intact; lower --lr (now {lr}) and continue with --resume or --resume-from")
 
 
 def save(folder, step: int, model, optimizer, meta: dict):

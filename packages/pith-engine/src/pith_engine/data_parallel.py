@@ -93,6 +93,15 @@ class ComputeCasts:
         self.swapped.clear()
 
 
+def add_grads_in_kernels(model: torch.nn.Module):
+    """For a one-process model that computes in its own parameters' dtype (a bf16 model, without ComputeCasts):
+    each parameter names itself as `grad_into`, so that the kernels that can add their gradient into .grad
+    themselves do (grouped_linear's weight gradient on CUDA, `embedding`), where autograd would write each
+    micro-batch's gradient and then add it, one more write and two more reads of it."""
+    for param in model.parameters():
+        param.grad_into = param
+
+
 def drop_compute_copies(model: torch.nn.Module):
     """Forget the bf16 copies a one-process mixed-precision model keeps for its next forward (nothing on other
     layouts). For after the step's last forward: its backward then frees each copy once its layer is done,
@@ -184,13 +193,22 @@ def this_ranks_part(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
-    """Scale the gradients so that their global L2 norm is at most max_norm; returns the norm before. Each
-    rank sums the squares of the gradient elements it holds; one all-reduce over the world adds them."""
+def grad_norm(parameters) -> torch.Tensor:
+    """The global L2 norm of the gradients: each rank sums the squares of the gradient elements it holds; one
+    all-reduce over the world adds them."""
     grads = [local_part(p.grad) for p in parameters if p.grad is not None]
     squares = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) ** 2 for g in grads]).sum()
     if dist.is_initialized():
         dist.all_reduce(squares)
-    norm = squares.sqrt()
+    return squares.sqrt()
+
+
+@torch.no_grad()
+def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
+    """Scale the gradients so that their global L2 norm is at most max_norm; returns the norm before. (The app
+    leaves the scaling to its fused optimizer's step: pith_engine.optim.clipped_step.)"""
+    parameters = list(parameters)
+    norm = grad_norm(parameters)
+    grads = [local_part(p.grad) for p in parameters if p.grad is not None]
     torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0).to(grads[0].dtype))
     return norm

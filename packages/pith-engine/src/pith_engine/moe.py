@@ -118,13 +118,16 @@ class LoadBalance(nn.Module):
         self.data_group, self.bias_rate, self.micro_batches = data_group, bias_rate, micro_batches
         self.data_ranks = dist.get_world_size(data_group) if data_group is not None else 1
         self.register_buffer("expert_bias", torch.zeros(num_experts))
+        # what the training forwards of this step routed (slots per expert) and attached (aux loss), this rank's
         self.register_buffer("expert_load", torch.zeros(num_experts), persistent=False)
+        self.register_buffer("aux_loss", torch.zeros(()), persistent=False)
 
     def _apply(self, fn, recurse=True):
         """The buffers stay fp32 through a model.to(bfloat16): in bf16 a load count stops at 256 and a bias
         near 0.5 no longer moves by 1e-3."""
         super()._apply(fn, recurse)
         self.expert_bias, self.expert_load = self.expert_bias.float(), self.expert_load.float()
+        self.aux_loss = self.aux_loss.float()
         return self
 
     def select(self, scores: torch.Tensor, top_k: int, allowed: torch.Tensor | None = None):
@@ -133,16 +136,21 @@ class LoadBalance(nn.Module):
         candidates = scores if allowed is None else scores.masked_fill(~allowed, float("-inf"))
         if self.mode != "aux_free":
             chosen, expert_ids = candidates.topk(top_k, dim=-1)
-            return expert_ids, chosen
-        expert_ids = (candidates + self.expert_bias).topk(top_k, dim=-1).indices
-        self.expert_load += count_per_expert(expert_ids, self.num_experts)
-        return expert_ids, scores.gather(-1, expert_ids)
+        else:
+            expert_ids = (candidates + self.expert_bias).topk(top_k, dim=-1).indices
+            chosen = scores.gather(-1, expert_ids)
+        if torch.is_grad_enabled():   # a training forward, not an evaluation
+            self.expert_load += count_per_expert(expert_ids, self.num_experts)
+        return expert_ids, chosen
 
     def attach_loss(self, hidden: torch.Tensor, probs: torch.Tensor, expert_ids: torch.Tensor, sequences: int):
         """hidden, carrying this rank's share of the aux loss into the backward (probs [tokens, E] fp32)."""
         if self.mode == "aux_free" or self.coef == 0:
             return hidden
-        return attach_aux_loss(hidden, self.coef * self.scale * self.loss_share(probs, expert_ids, sequences))
+        share = self.coef * self.scale * self.loss_share(probs, expert_ids, sequences)
+        if torch.is_grad_enabled():
+            self.aux_loss += share.detach()
+        return attach_aux_loss(hidden, share)
 
     def loss_share(self, probs, expert_ids, sequences: int) -> torch.Tensor:
         """sum_e f_e * P_e of this rank's tokens of one micro-batch, as its share of the mean over all balancing
@@ -165,14 +173,30 @@ class LoadBalance(nn.Module):
         """After an optimizer step (aux_free): move each expert's bias toward the mean load of all data ranks."""
         if self.data_group is not None:
             dist.all_reduce(self.expert_load, group=self.data_group)
-        self.expert_bias += self.bias_rate * torch.sign(self.expert_load.mean() - self.expert_load)
+        self.move_bias(self.expert_load)
         self.expert_load.zero_()
 
+    def move_bias(self, loads: torch.Tensor):
+        self.expert_bias += self.bias_rate * torch.sign(loads.mean() - loads)
 
-def update_expert_bias(model: nn.Module):
-    for module in model.modules():
-        if isinstance(module, LoadBalance) and module.mode == "aux_free":
-            module.update_bias()
+
+@torch.no_grad()
+def update_expert_bias(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """After an optimizer step: the step's expert loads ([MoE layers, experts], slots routed to each) and aux loss,
+    summed over data ranks (one all-reduce), which aux_free layers move their biases by; both counts start over.
+    None for a model without MoE layers."""
+    balances = [module for module in model.modules() if isinstance(module, LoadBalance)]
+    if not balances:
+        return None
+    stats = torch.stack([torch.cat([b.expert_load, b.aux_loss.view(1)]) for b in balances])
+    if balances[0].data_group is not None:
+        dist.all_reduce(stats, group=balances[0].data_group)
+    for balance, row in zip(balances, stats):
+        if balance.mode == "aux_free":
+            balance.move_bias(row[:-1])
+        balance.expert_load.zero_()
+        balance.aux_loss.zero_()
+    return stats[:, :-1], stats[:, -1].sum()
 
 
 class _AttachAuxLoss(torch.autograd.Function):

@@ -24,9 +24,25 @@ def lr_at(step: int, base_lr: float, warmup: int, total: int, schedule: str, min
 
 
 def adamw(model: torch.nn.Module, lr: float, weight_decay: float, betas=(0.9, 0.95)) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (not norms, biases or 1-d parameters); fused on CUDA."""
+    """AdamW with weight decay on matrices only (not norms, biases or 1-d parameters); fused (one kernel over
+    every tensor, on CUDA and CPU), as clipped_step needs."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [dict(params=[p for p in params if p.ndim >= 2], weight_decay=weight_decay),
               dict(params=[p for p in params if p.ndim < 2], weight_decay=0.0)]
-    fused = all(p.is_cuda for p in params)
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=fused)
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=True)
+
+
+def clipped_step(optimizer: torch.optim.Optimizer, norm: torch.Tensor, max_norm: float):
+    """optimizer.step() on the gradients scaled so that their global norm (`norm`, from grad_norm) is at most
+    max_norm, skipped when `norm` is not finite: weights and optimizer state stay as they were. The fused
+    optimizer divides each gradient by the scale as it reads it (grad_scale) and skips on a device flag
+    (found_inf): scaling first would read and write every gradient once more, and deciding to skip on the
+    host would wait for the GPU to finish the backward."""
+    if not optimizer.defaults.get("fused"):
+        raise TypeError(f"clipped_step takes a fused torch optimizer (as adamw() makes), not {optimizer!r}")
+    optimizer.grad_scale = torch.clamp((norm + 1e-6) / max_norm, min=1.0)
+    optimizer.found_inf = (~torch.isfinite(norm)).float()
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.grad_scale, optimizer.found_inf

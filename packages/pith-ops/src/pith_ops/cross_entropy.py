@@ -68,11 +68,11 @@ def _chunk_loss_and_grad_torch(logits, labels, ignore_index):
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, ignore_index, chunk_size, use_kernel):
+    def forward(ctx, hidden, weight, labels, ignore_index, chunk_size, use_kernel, grad_mode):
         chunk_loss_and_grad = _chunk_loss_and_grad_kernel if use_kernel else _chunk_loss_and_grad_torch
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        grad_hidden = torch.empty_like(hidden) if hidden.requires_grad else None
-        grad_weight = torch.zeros_like(weight) if weight.requires_grad else None
+        grad_hidden = torch.empty_like(hidden) if grad_mode and hidden.requires_grad else None
+        grad_weight = torch.zeros_like(weight) if grad_mode and weight.requires_grad else None
         for start in range(0, hidden.shape[0], chunk_size):
             h, y = hidden[start:start + chunk_size], labels[start:start + chunk_size]
             chunk_loss, grad_logits = chunk_loss_and_grad(h @ weight.T, y.contiguous(), ignore_index)
@@ -91,7 +91,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):
         grads = tuple(g.mul_(grad_loss.to(g.dtype)) if g is not None else None for g in ctx.grads)
         del ctx.grads
-        return *grads, None, None, None, None
+        return *grads, None, None, None, None, None
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
@@ -112,4 +112,6 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
         raise ValueError(f"linear_cross_entropy: label {labels[position].item()} at position {position} is outside "
                          f"the vocabulary 0..{weight.shape[0] - 1}; valid labels are those and ignore_index={ignore_index}")
     use_kernel = hidden.is_cuda if use_kernel is None else use_kernel
-    return _LinearCrossEntropy.apply(hidden, weight, labels, ignore_index, chunk_size, use_kernel)
+    # apply() runs forward without grad mode: under torch.no_grad (an evaluation) no gradient is computed
+    return _LinearCrossEntropy.apply(hidden, weight, labels, ignore_index, chunk_size, use_kernel,
+                                     torch.is_grad_enabled())

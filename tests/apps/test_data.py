@@ -1,0 +1,134 @@
+"""The token store and the sample order: tokenized once into a memory-mapped file that every process shares,
+built without the corpus or its token array in memory, each epoch every sample once across any data ranks."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from pith_apps.config import ConfigError
+from pith_apps.data import ByteTokenizer, batch_at, token_store
+from pith_apps.train import micro_batches_of
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+def test_each_epoch_uses_every_sample_once_across_the_data_ranks(ranks):
+    """Tokens 0..N-1 as the stream, so that a row's first input names its sample. 10 samples of 8 tokens, 4
+    rows a step: epochs end inside a step. The data ranks' rows of 5 steps (2 epochs) split each epoch's
+    samples among them with none twice, and the inputs of an epoch are every token before the last once."""
+    seq, samples, batch = 8, 10, 4
+    tokens = np.arange(samples * seq + 1 + 5, dtype=np.uint32)   # 5 tokens past the last sample: in none
+    args = SimpleNamespace(batch_size=batch, micro_batch_size=1)
+    seen = []   # the first token of every row of the global batches, in order
+    for step in range(5):
+        ids, labels = batch_at(tokens, step, seed=3, batch_size=batch, seq_len=seq)
+        assert torch.equal(ids[:, 1:], labels[:, :-1]) and ids.dtype == torch.int64
+        read = []   # what the data ranks read of this step's global batch
+        for rank in range(ranks):
+            parallel = SimpleNamespace(data_rank=rank, data_ranks=ranks)
+            for rows, _ in micro_batches_of(args, parallel, ids, labels):
+                read.extend(int(row[0]) for row in rows)
+        seen.extend(int(row[0]) for row in ids)
+        assert sorted(read) == sorted(seen[-batch:])   # the ranks split the batch: every row read, once
+    for epoch in (seen[:samples], seen[samples:]):
+        assert sorted(epoch) == list(range(0, samples * seq, seq))
+    assert seen[:samples] != seen[samples:]   # a new order each epoch
+    firsts = [int(row[0]) for step in range(5) for row in batch_at(tokens, step, 4, batch, seq)[0]]
+    assert sorted(firsts[:samples]) == sorted(seen[:samples]) and firsts != seen   # another seed, another order
+
+
+def write_docs(path, documents: int, size: int = 1000):
+    rng = np.random.default_rng(0)
+    words = np.array(["cat", "sat", "on", "the", "mat", "Ünïcödé", "🙂", "and", "then", "slept"])
+    with open(path, "w") as f:
+        for _ in range(documents):
+            f.write(json.dumps({"text": " ".join(rng.choice(words, size // 5))}) + "\n")
+
+
+def test_the_store_is_built_once_shared_and_rebuilt_when_the_data_changes(tmp_path):
+    data = tmp_path / "docs.jsonl"
+    write_docs(data, 2500, 200)
+    lines = []
+    one = token_store(data, ByteTokenizer(), cache=tmp_path / "cache", workers=1, log=lines.append)
+    two = token_store(data, ByteTokenizer(), cache=tmp_path / "cache", workers=2, log=lines.append)
+    assert len(lines) == 2 and "in 1 process(es)" in lines[0]   # the second call read the first's file
+    assert isinstance(two, np.memmap) and np.array_equal(one, two)
+    rebuilt = token_store(data, ByteTokenizer(), cache=tmp_path / "other", workers=2, log=lines.append)
+    assert "in 2 process(es)" in lines[2] and np.array_equal(rebuilt, one)   # two processes, same tokens
+    docs = [json.loads(line)["text"] for line in data.read_text().splitlines()]
+    assert one.tolist() == [t for d in docs for t in [*d.encode(), 256]]
+    with open(data, "a") as f:
+        f.write(json.dumps({"text": "one more"}) + "\n")
+    grown = token_store(data, ByteTokenizer(), cache=tmp_path / "cache", log=lines.append)
+    assert len(lines) == 6 and grown.tolist()[-9:] == [*b"one more", 256]
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir() if p.is_dir()) == sorted(
+        p.name for p in (tmp_path / "cache").iterdir() if p.suffix != ".lock")   # no scratch folder left
+
+
+def test_an_unwritable_cache_is_named_in_one_line(tmp_path):
+    (tmp_path / "file").write_text("")
+    data = tmp_path / "docs.txt"
+    data.write_text("hello\n")
+    with pytest.raises(ConfigError, match=r"^--data-cache .*file/cache: could not write the tokenized dataset there "
+                                          r"\(Not a directory\); choose another --data-cache$"):
+        token_store(data, ByteTokenizer(), cache=tmp_path / "file" / "cache")
+
+
+PEAK = """
+import sys, threading, time
+sys.path[:0] = {paths}
+from pith_apps.data import ByteTokenizer, token_store
+import datasets, numpy, torch   # imports first: their memory is not the build's
+
+def anon_kib():
+    for line in open("/proc/self/status"):
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1])
+
+base, peak, done = anon_kib(), [0], []
+def sample():
+    while not done:
+        peak[0] = max(peak[0], anon_kib())
+        time.sleep(0.005)
+thread = threading.Thread(target=sample)
+thread.start()
+tic = time.perf_counter()
+tokens = token_store({data!r}, ByteTokenizer(), cache={cache!r}, workers=1, log=lambda line: None)
+done.append(1)
+thread.join()
+print(len(tokens), (peak[0] - base) * 1024, time.perf_counter() - tic)
+"""
+
+
+def build_growth(tmp_path, documents: int) -> tuple[int, int, float]:
+    """(tokens, growth of anonymous memory in bytes, seconds) of building the store of `documents` 1 KB
+    JSON-lines documents in a process of its own, sampling its anonymous resident memory every 5 ms (not the
+    page cache of the files it maps)."""
+    data = tmp_path / "docs.jsonl"
+    write_docs(data, documents, 1000)
+    script = PEAK.format(paths=[p for p in sys.path if p], data=str(data), cache=str(tmp_path / "cache"))
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True, timeout=3600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    tokens, grown, seconds = done.stdout.split()
+    return int(tokens), int(grown), float(seconds)
+
+
+def test_a_corpus_is_tokenized_without_holding_it_or_its_tokens_in_memory(tmp_path):
+    """128 MB of text, 128 M tokens: a 512 MB token array. Measured: the build grows by about 110 MiB, nearly
+    all of it `datasets` reading JSON, whatever the size (86 MiB for 24 MB of text)."""
+    tokens, grown, _ = build_growth(tmp_path, 128_000)
+    assert tokens > 125_000_000
+    assert grown < tokens * 4 / 3, f"the build grew anonymous memory by {grown / 2**20:.0f} MiB"
+
+
+@pytest.mark.skipif(not os.environ.get("PITH_SLOW"), reason="opt-in (PITH_SLOW=1): 2 GB of text, 8 GB of tokens")
+def test_a_multi_gigabyte_corpus_is_tokenized_in_a_fraction_of_its_size_in_memory(tmp_path):
+    tokens, grown, seconds = build_growth(tmp_path, 2_000_000)
+    print(f"{tokens:,} tokens ({tokens * 4 / 2**30:.1f} GiB) in {seconds:.0f} s, memory grew {grown / 2**20:.0f} MiB")
+    assert tokens > 1_990_000_000
+    assert grown < tokens * 4 / 20
