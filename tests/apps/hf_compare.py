@@ -6,7 +6,9 @@ import json
 import torch
 
 from conftest import relative_error
+from pith_apps.data import DEFAULT_CORPUS
 from pith_apps.hf_checkpoint import load_hf_weights, save_hf
+from pith_apps.options import PRESETS
 
 LOGITS_TOLERANCE = 1e-5   # float32, same math, different summation order
 GRAD_TOLERANCE = 1e-4
@@ -69,3 +71,27 @@ def check_export_round_trip(config_cls, model_cls, source_dir, out_dir):
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(out_dir, attn_implementation="eager")
     ids = torch.randint(0, ours.config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(2))
     assert relative_error(hf_model(input_ids=ids).logits.detach(), ours(ids).detach()) < LOGITS_TOLERANCE
+
+
+def bpe_tokenizer(folder, vocab_size, end_token="<|endoftext|>"):
+    """A byte-level BPE tokenizer.json trained on the bundled corpus (256 byte symbols + the end token + merges)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.train([str(DEFAULT_CORPUS)], trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=[end_token], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    folder.mkdir()
+    tokenizer.save(str(folder / "tokenizer.json"))
+    return folder
+
+
+def tiny_hf_folder(folder):
+    """A tiny Qwen3-MoE folder as transformers writes it (random weights), with a 257-token tokenizer.json."""
+    import transformers
+    bpe_tokenizer(folder, 257)
+    (folder / "tokenizer_config.json").write_text('{"eos_token": "<|endoftext|>"}')
+    preset = json.loads((PRESETS / "qwen3_tiny.json").read_text())
+    save_tiny_hf_model(transformers.AutoConfig.for_model(**preset), folder)
+    return folder

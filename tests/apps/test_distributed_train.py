@@ -4,13 +4,17 @@ distributed checkpoints; and a save killed midway."""
 import json
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import pith_apps.train as train_app
+from conftest import relative_error
 from distributed import run_on_processes
+from hf_compare import tiny_hf_folder
+from pith_apps import convert
 from pith_engine import checkpoint
 from pith_engine.parallel import Parallel
 
@@ -36,6 +40,8 @@ def two_process_runs(rank, world, root):
     losses["dp2"] = train(root / "dp2", 6, "--dp", "2", "--resume")
     for dim in ("ep", "dp"):
         losses[f"mixed-{dim}2"] = train(root / f"mixed-{dim}2", 6, *MIXED, f"--{dim}", "2", "--micro-batch-size", "1")
+    losses["init-ep2"] = train(root / "init-ep2", 3, "--ep", "2", "--init", str(root / "hf"), "--export-hf",
+                               str(root / "export-ep2"))
     if rank == 0:
         (root / "losses.json").write_text(json.dumps(losses))
 
@@ -43,11 +49,14 @@ def two_process_runs(rank, world, root):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("distributed_train")
+    tiny_hf_folder(root / "hf")
     run_on_processes(2, two_process_runs, root)
     losses = json.loads((root / "losses.json").read_text())
     losses["one"] = train(root / "one", 6)
     losses["ep1"] = train(root / "ep1", 6, "--resume")   # 1 process, from the ep = 2 checkpoint of step 3
     losses["mixed-one"] = train(root / "mixed-one", 6, *MIXED, "--micro-batch-size", "2")
+    losses["init-one"] = train(root / "init-one", 3, "--init", str(root / "hf"))
+    losses["root"] = str(root)
     return losses
 
 
@@ -67,6 +76,43 @@ def test_mixed_precision_with_micro_batches_logs_the_one_process_losses_on_two_p
     assert len(runs[name]) == 6
     for got, expected in zip(runs[name], runs["mixed-one"]):
         assert abs(got - expected) < 2e-3 * expected
+
+
+def test_init_on_two_processes_starts_from_the_folder_as_one_process_does(runs):
+    """--init DIR at ep = 2 (rank 0 turns the folder into a weights checkpoint, each rank loads its experts):
+    the losses of the 1-process run from the same folder, float32, within 1e-5."""
+    assert len(runs["init-ep2"]) == 3
+    for got, expected in zip(runs["init-ep2"], runs["init-one"]):
+        assert abs(got - expected) < 1e-5 * expected
+
+
+def test_export_of_a_two_process_run_and_convert_give_transformers_our_logits(runs, tmp_path):
+    """The ep = 2 run's --export-hf (rank 0, from its step-3 checkpoint) loads in transformers with the logits of
+    that checkpoint loaded into one process (1e-5, float32); `convert` of the same checkpoint writes the same
+    tensors; a Hugging Face folder converted to a weights checkpoint loads as load_hf_weights does, exactly."""
+    import transformers
+    from safetensors.torch import load_file
+    from pith_apps.hf_checkpoint import load_hf_weights
+    root = Path(runs["root"])
+    saved = root / "init-ep2" / "checkpoints" / "step-00000003"
+    args = train_app.parse_args(["qwen3", "--init", str(root / "hf")])
+    ours = train_app.MODELS["qwen3"][1](train_app.model_config(args), Parallel())
+    checkpoint.load_weights(saved, ours)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(root / "export-ep2", attn_implementation="eager")
+    ids = torch.randint(0, 257, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert relative_error(theirs(input_ids=ids).logits, ours(ids)) < 1e-5
+    assert (root / "export-ep2" / "tokenizer.json").read_bytes() == (root / "hf" / "tokenizer.json").read_bytes()
+    convert.main([str(saved), str(tmp_path / "converted")])
+    exported = [load_file(f) for f in sorted((root / "export-ep2").glob("*.safetensors"))]
+    converted = [load_file(f) for f in sorted((tmp_path / "converted").glob("*.safetensors"))]
+    assert [sorted(e) for e in exported] == [sorted(c) for c in converted]
+    assert all(torch.equal(e[name], c[name]) for e, c in zip(exported, converted) for name in e)
+    convert.main([str(root / "hf"), str(tmp_path / "weights")])
+    direct, through = (train_app.MODELS["qwen3"][1](train_app.model_config(args), Parallel()) for _ in range(2))
+    load_hf_weights(direct, root / "hf")
+    checkpoint.load_weights(tmp_path / "weights", through)
+    assert all(torch.equal(a, b) for a, b in zip(direct.parameters(), through.parameters()))
 
 
 def save_then_die(out):

@@ -11,6 +11,7 @@ import torch.distributed.checkpoint as dcp
 import pith_apps.options as options
 import pith_apps.train as train_app
 from conftest import relative_error
+from hf_compare import bpe_tokenizer, tiny_hf_folder
 from pith_apps.config import ConfigError
 from pith_apps.data import (DEFAULT_CORPUS, ByteTokenizer, HFTokenizer, batch_at, held_out_batch, split_held_out,
                              token_store)
@@ -164,20 +165,6 @@ def test_bad_run_config_or_config_of_another_family_ends_with_one_line(toml, arg
     assert not (tmp_path / "out").exists()   # nothing written
 
 
-def bpe_tokenizer(folder, vocab_size, end_token="<|endoftext|>"):
-    """A byte-level BPE tokenizer.json trained on the bundled corpus (256 byte symbols + the end token + merges)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.train([str(DEFAULT_CORPUS)], trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=[end_token], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False))
-    folder.mkdir()
-    tokenizer.save(str(folder / "tokenizer.json"))
-    return folder
-
-
 def test_a_hugging_face_tokenizer_encodes_each_document_and_ends_it_with_its_end_token(tmp_path):
     docs = ["The cat sat.", "Ünïcödé and emoji 🙂 survive.", "Last one"]
     data = tmp_path / "docs.jsonl"
@@ -284,17 +271,6 @@ def test_a_missing_text_field_names_the_columns_in_one_line(tmp_path, capsys):
     assert stop.value.code == 2 and capsys.readouterr().err.strip() == (
         f"pith-train: error: dataset '{path}' has columns ['content', 'id'], no 'text'; name the column to train on "
         "with --text-field")
-
-
-def tiny_hf_folder(folder):
-    """A tiny Qwen3-MoE folder as transformers writes it (random weights), with a 257-token tokenizer.json."""
-    import transformers
-    from hf_compare import save_tiny_hf_model
-    bpe_tokenizer(folder, 257)
-    (folder / "tokenizer_config.json").write_text('{"eos_token": "<|endoftext|>"}')
-    preset = json.loads((options.PRESETS / "qwen3_tiny.json").read_text())
-    save_tiny_hf_model(transformers.AutoConfig.for_model(**preset), folder)
-    return folder
 
 
 def test_fine_tune_then_export_gives_a_folder_transformers_loads_with_our_logits(tmp_path, capsys):

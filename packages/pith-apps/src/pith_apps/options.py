@@ -39,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--config", help="A Hugging Face config.json to use instead of the preset.")
     add("--init", metavar="DIR", help="Start from the Hugging Face model folder DIR: its config.json (instead of "
         "--preset and --config), its safetensors weights and, unless --tokenizer is given, its tokenizer.json. "
-        "One process only, for now.")
+        "On several processes rank 0 first writes the weights as a checkpoint in <out>/init-weights, which every "
+        "rank loads its part of.")
     add("--layers", type=int, help="Keep only the first N decoder layers of the config, for experiments.")
     add("--data", default=str(DEFAULT_CORPUS), help="A .txt, .jsonl, .json, .parquet or .arrow file, or a folder of "
         "files of one of those kinds, to train on (default: the small corpus bundled with the app).")
@@ -51,8 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--text-field", default="text", help="The column of a .jsonl, .json, .parquet or .arrow dataset that holds "
         "the documents; a .txt file's lines are its documents (default: text).")
     add("--export-hf", metavar="DIR", help="At the end of the run, write the trained model to DIR as a Hugging Face "
-        "folder: config.json, safetensors weights in the compute dtype and the tokenizer's files. One process only, "
-        "for now.")
+        "folder: config.json, safetensors weights in the compute dtype and the tokenizer's files. On several "
+        "processes the last step is checkpointed and rank 0 exports that checkpoint (as pith-convert does).")
     add("--tokenizer", metavar="PATH", help="A Hugging Face tokenizer.json, or a folder holding one (and its "
         "tokenizer_config.json, which names the end-of-document token); default: UTF-8 bytes, 257 tokens.")
     add("--out", help="The run folder for TensorBoard logs and checkpoints (default: runs/<model>-<preset>, or "

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from pith_apps.config import ConfigError, require
 from pith_apps.data import ByteTokenizer, HFTokenizer, batch_at, held_out_batch, split_held_out, token_store
-from pith_apps.options import (DTYPES, MODELS, TOKENIZER_FILES, check_args, hf_config_data, model_config, parse_args,
+from pith_apps.options import (DTYPES, MODELS, check_args, hf_config_data, model_config, parse_args,
                                run_config_text)
 from pith_apps.run_log import RunLog
 from pith_engine.compile import compile_stages
@@ -49,9 +49,6 @@ def train(args) -> list[float]:
     folder = RunFolder(args.out or f"runs/{args.model}-{Path(args.init).name if args.init else args.preset}")
     try:
         parallel, device = layout(args)
-        for flag, value in (("--init", args.init), ("--export-hf", args.export_hf)):
-            require(not value or parallel.world == 1, f"{flag} on {parallel.world} processes is not built yet; "
-                    "run it on one process")
         run_id, resume_from = on_lead(parallel, lambda: folder.open(
             args.model, config_dict(cfg), args.resume, args.resume_from, args.overwrite))
         return train_on(args, cfg, parallel, device, (stream, held_out), folder, run_id, resume_from)
@@ -150,8 +147,7 @@ def train_on(args, cfg, parallel: Parallel, device: torch.device, data, folder, 
     model = build_model(MODELS[args.model][1], cfg, parallel, device, dtype, args.seed, args.seq_len, args.balance,
                         micro_batches)
     if args.init and not resume_from:   # a resumed run's weights come from its checkpoint
-        from pith_apps.hf_checkpoint import load_hf_weights
-        load_hf_weights(model, args.init)
+        init_from_hf(args, parallel, model, folder)
     if args.compile if args.compile is not None else device.type == "cuda":
         compile_stages(model)
     optimizer = adamw(model, args.lr, args.weight_decay)
@@ -162,7 +158,9 @@ def train_on(args, cfg, parallel: Parallel, device: torch.device, data, folder, 
     lead = parallel.rank == 0
     losses, speeds, evals = [], [], []
     progress = make_progress(start, args) if lead else lambda loss, tokens_per_s: None
-    saved_meta = dict(run=run_id, config=config_dict(cfg), layout=dict(dp=parallel.dp, ep=parallel.ep))
+    saved_meta = dict(run=run_id, config=config_dict(cfg), layout=dict(dp=parallel.dp, ep=parallel.ep),
+                      model=args.model, hf_config=hf_config_data(args), tokenizer=args.tokenizer)
+    export_checkpoint = args.export_hf and parallel.world > 1   # several processes export from the last checkpoint
     with StopSignals() as signals, RunLog(folder.tb, start, lead, args.image_every) as log:
         for step in range(start, args.steps):
             tic = time.perf_counter()
@@ -183,7 +181,8 @@ def train_on(args, cfg, parallel: Parallel, device: torch.device, data, folder, 
                 evals.append(evaluate(args, parallel, device, model, held_out))
                 log.eval(step + 1, evals[-1])
             progress(loss_value, tokens_per_s)
-            if args.save_every and ((step + 1) % args.save_every == 0 or step + 1 == args.steps or stop):
+            if (args.save_every and ((step + 1) % args.save_every == 0 or step + 1 == args.steps or stop)
+                    or export_checkpoint and step + 1 == args.steps):
                 require_finite_weights(model, parallel, step + 1, args.lr)
                 save(folder, step + 1, model, optimizer, saved_meta)
             if stop:
@@ -193,7 +192,7 @@ def train_on(args, cfg, parallel: Parallel, device: torch.device, data, folder, 
                           f"continue with --resume")
                 break
     if args.export_hf and start + len(losses) == args.steps:
-        export_hf(args, model, dtype)
+        export_hf(args, parallel, model, dtype, folder.checkpoints / f"step-{args.steps:08d}")
     if lead:
         if losses:
             memory = (f", peak memory {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB"
@@ -252,21 +251,34 @@ def evaluate(args, parallel: Parallel, device, model, held_out) -> float:
     return (totals[0] / totals[1]).item()
 
 
-def export_hf(args, model, dtype: torch.dtype):
-    """The trained model as a Hugging Face folder, with the tokenizer's files when it has a tokenizer.json."""
+def init_from_hf(args, parallel: Parallel, model, folder):
+    """--init: one process reads the Hugging Face folder straight into the model; on several, rank 0 turns it into
+    a weights checkpoint in the run folder and every rank loads its part of that (any layout)."""
+    if parallel.world == 1:
+        from pith_apps.hf_checkpoint import load_hf_weights
+        load_hf_weights(model, args.init)
+        return
+    from pith_apps.convert import hf_to_checkpoint
+    from pith_engine import checkpoint
+    weights = on_lead(parallel, lambda: str(hf_to_checkpoint(args.init, folder.out / "init-weights")))
+    checkpoint.load_weights(weights, model)
+
+
+def export_hf(args, parallel: Parallel, model, dtype: torch.dtype, last_checkpoint: Path):
+    """The trained model as a Hugging Face folder, with the tokenizer's files when it has a tokenizer.json: from the
+    model itself on one process, from the run's last checkpoint (rank 0, the others waiting) on several."""
+    from pith_apps.convert import checkpoint_to_hf, tokenizer_files
     from pith_apps.hf_checkpoint import save_hf
-    extra = {}
-    if args.tokenizer:
-        path = Path(args.tokenizer)
-        file = path / "tokenizer.json" if path.is_dir() else path
-        extra = {"tokenizer.json": file} | {name: file.with_name(name) for name in TOKENIZER_FILES
-                                            if file.with_name(name).is_file()}
     try:
-        save_hf(model, hf_config_data(args), args.export_hf, dtype=dtype, extra_files=extra)
+        if parallel.world == 1:
+            save_hf(model, hf_config_data(args), args.export_hf, dtype=dtype, extra_files=tokenizer_files(args.tokenizer))
+        else:
+            on_lead(parallel, lambda: checkpoint_to_hf(last_checkpoint, args.export_hf, dtype, alone=True))
     except OSError as err:
         raise ConfigError(f"--export-hf {args.export_hf}: could not write it ({err.strerror or err}); the run and its "
                           "checkpoints are intact") from None
-    print(f"exported the model to {args.export_hf}")
+    if parallel.rank == 0:
+        print(f"exported the model to {args.export_hf}")
 
 
 def checkpoint_bytes(model, parallel: Parallel) -> int:

@@ -76,12 +76,18 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer):
                                               exp_avg=torch.zeros_like(param), exp_avg_sq=torch.zeros_like(param))
 
 
+def weights_state(model) -> dict[str, torch.Tensor]:
+    """The model's entries: its parameters (experts one by one) and aux-free expert biases, aliasing them."""
+    state = dict(canonical_entries(model, dict(model.named_parameters())))
+    state.update((name, buffer) for name, buffer in model.named_buffers() if name.endswith("expert_bias"))
+    return state
+
+
 def training_state(model, optimizer) -> dict[str, torch.Tensor]:
     """Everything a resume needs, as DCP entries aliasing the live tensors (a load fills them in place)."""
     init_optimizer_state(optimizer)
     params = dict(model.named_parameters())
-    state = dict(canonical_entries(model, params))
-    state.update((name, buffer) for name, buffer in model.named_buffers() if name.endswith("expert_bias"))
+    state = weights_state(model)
     for moment in ("exp_avg", "exp_avg_sq"):
         moments = {name: optimizer.state[param][moment] for name, param in params.items()}
         state.update((f"optimizer.{name}.{moment}", t) for name, t in canonical_entries(model, moments))
@@ -241,14 +247,33 @@ def newest_good(directory: str | Path, skip: Path | None = None) -> Path | None:
 def load(checkpoint: str | Path, model, optimizer) -> dict:
     """Fill model, optimizer and RNG from a checkpoint saved under any layout, after checking its files (the
     ranks split them); returns its meta. CheckpointError when it is damaged or of another model."""
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    state = training_state(model, optimizer)
+    read_checked(checkpoint, state)
+    for param_state in optimizer.state.values():
+        param_state["step"].copy_(state["optimizer.step"])
+    torch.set_rng_state(state["rng.cpu"])
+    if "rng.cuda" in state:
+        torch.cuda.set_rng_state(state["rng.cuda"])
+    return read_meta(checkpoint)
+
+
+def load_weights(checkpoint: str | Path, model, alone: bool = False) -> dict:
+    """Fill only the model (weights, expert biases) from a training checkpoint or one save_weights wrote, under
+    any layout; returns its meta. alone: this process by itself while the others of its group wait (no
+    collective), e.g. rank 0 converting a checkpoint for export."""
+    read_checked(checkpoint, weights_state(model), alone)
+    return read_meta(checkpoint)
+
+
+def read_checked(checkpoint: str | Path, state: dict, alone: bool = False):
+    """DCP-load the entries of state from checkpoint after checking its files (the ranks split them)."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() and not alone else (0, 1)
     found = [damage(checkpoint, (rank, world))]
     if world > 1:
         mine, found = found[0], [None] * world
         dist.all_gather_object(found, mine)
     if any(found):
         raise CheckpointError(next(f for f in found if f))
-    state = training_state(model, optimizer)
     saved = dcp.FileSystemReader(checkpoint).read_metadata().state_dict_metadata
     if "rng.cuda" not in saved:   # saved without a GPU
         state.pop("rng.cuda", None)
@@ -257,10 +282,19 @@ def load(checkpoint: str | Path, model, optimizer) -> dict:
         raise CheckpointError(f"checkpoint '{checkpoint}' lacks {len(missing)} of this model's entries, e.g. "
                               f"{missing[:3]}; it was saved from another model")
     with single_process_is_meant():
-        dcp.load(state, checkpoint_id=Path(checkpoint))
-    for param_state in optimizer.state.values():
-        param_state["step"].copy_(state["optimizer.step"])
-    torch.set_rng_state(state["rng.cpu"])
-    if "rng.cuda" in state:
-        torch.cuda.set_rng_state(state["rng.cuda"])
-    return read_meta(checkpoint)
+        dcp.load(state, checkpoint_id=Path(checkpoint), no_dist=alone)
+
+
+def save_weights(folder: str | Path, model, meta: dict) -> Path:
+    """A one-process model's weights (no optimizer state) as a checkpoint folder that load_weights reads under any
+    layout, written by this process alone (others of its group may wait) and renamed into place whole."""
+    folder = Path(folder)
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    with single_process_is_meant():
+        dcp.save(weights_state(model), checkpoint_id=tmp, no_dist=True)
+    write_atomic(tmp / "meta.json", json.dumps(meta | dict(saved_at=time.time(), files=checksums(tmp)), indent=1))
+    shutil.rmtree(folder, ignore_errors=True)
+    os.replace(tmp, folder)
+    return folder

@@ -1,0 +1,100 @@
+"""pith-convert: a checkpoint of the app (saved under any layout) to a Hugging Face model folder, or a Hugging
+Face folder to a weights checkpoint that any layout loads.
+
+  python -m pith_apps.convert runs/qwen3-tiny/checkpoints/step-00000300 my-model [--dtype bfloat16]
+  python -m pith_apps.convert my-hf-model weights-checkpoint
+
+Either way the model is built whole in this process's memory, in fp32 on the CPU. A training run uses the
+same two paths on several processes: --init has rank 0 turn the folder into a weights checkpoint that every
+rank loads its part of, and --export-hf has rank 0 export the run's last checkpoint.
+"""
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from pith_apps.config import ConfigError, read_json, require
+from pith_apps.hf_checkpoint import load_hf_weights, save_hf
+from pith_apps.options import FAMILY_OF, MODELS, TOKENIZER_FILES
+from pith_engine import checkpoint
+from pith_engine.parallel import Parallel
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def whole_model(family: str, hf_config: dict) -> torch.nn.Module:
+    config_cls, model_cls = MODELS[family]
+    return model_cls(config_cls.from_dict(hf_config), Parallel())
+
+
+def tokenizer_files(tokenizer) -> dict:
+    """{name in a Hugging Face folder: path} for a tokenizer.json (or a folder holding one) and the files beside
+    it; {} for none (the byte tokenizer) or one no longer there."""
+    if not tokenizer:
+        return {}
+    file = Path(tokenizer, "tokenizer.json") if Path(tokenizer).is_dir() else Path(tokenizer)
+    if not file.is_file():
+        return {}
+    return {"tokenizer.json": file} | {name: file.with_name(name) for name in TOKENIZER_FILES
+                                       if file.with_name(name).is_file()}
+
+
+def checkpoint_to_hf(path, out, dtype: torch.dtype | None = None, alone: bool = False):
+    """The checkpoint's weights as a Hugging Face folder (its config.json, safetensors shards and index in dtype,
+    default fp32; the run's tokenizer files when they are still where the run read them)."""
+    try:
+        meta = checkpoint.read_meta(path)
+    except checkpoint.CheckpointError as err:
+        raise ConfigError(str(err)) from None
+    require("hf_config" in meta, f"checkpoint '{path}' does not record its model's config (saved by an older Pith); "
+            "resume it for one step with --export-hf instead")
+    model = whole_model(meta["model"], meta["hf_config"])
+    try:
+        checkpoint.load_weights(path, model, alone)
+    except checkpoint.CheckpointError as err:
+        raise ConfigError(str(err)) from None
+    try:
+        save_hf(model, meta["hf_config"], out, dtype=dtype, extra_files=tokenizer_files(meta.get("tokenizer")))
+    except OSError as err:
+        raise ConfigError(f"could not write the Hugging Face folder {out} ({err.strerror or err})") from None
+
+
+def hf_to_checkpoint(folder, out) -> Path:
+    """A Hugging Face folder's weights as a weights checkpoint (no optimizer state), with its config in meta.json."""
+    config = Path(folder, "config.json")
+    require(config.is_file(), f"'{folder}' has no config.json; give a Hugging Face model folder")
+    data = read_json(config)
+    family = FAMILY_OF.get(data.get("model_type"))
+    require(family is not None, f"'{config}' has model_type {data.get('model_type')!r}, which Pith does not train; "
+            f"valid: {', '.join(FAMILY_OF)}")
+    model = whole_model(family, data)
+    load_hf_weights(model, folder)
+    return checkpoint.save_weights(out, model, dict(model=family, hf_config=data, tokenizer=str(folder)))
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="pith-convert", description="Convert a checkpoint of the app (any layout) "
+                                     "to a Hugging Face model folder, or a Hugging Face folder to a weights checkpoint.")
+    parser.add_argument("source", help="A checkpoint folder (step-N, with meta.json) or a Hugging Face model folder "
+                        "(with config.json).")
+    parser.add_argument("out", help="The folder to write; replaced whole if it exists.")
+    parser.add_argument("--dtype", choices=DTYPES, help="The dtype of the Hugging Face weights (default: float32, "
+                        "as the checkpoint holds them).")
+    args = parser.parse_args(argv)
+    try:
+        source = Path(args.source)
+        if (source / "meta.json").is_file():
+            checkpoint_to_hf(source, args.out, DTYPES.get(args.dtype))
+        else:
+            require((source / "config.json").is_file(), f"'{source}' is neither a checkpoint (meta.json) nor a "
+                    "Hugging Face model folder (config.json)")
+            hf_to_checkpoint(source, args.out)
+        print(f"wrote {args.out}")
+    except ConfigError as err:
+        print(f"pith-convert: error: {err}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
