@@ -132,3 +132,35 @@ def test_a_multi_gigabyte_corpus_is_tokenized_in_a_fraction_of_its_size_in_memor
     print(f"{tokens:,} tokens ({tokens * 4 / 2**30:.1f} GiB) in {seconds:.0f} s, memory grew {grown / 2**20:.0f} MiB")
     assert tokens > 1_990_000_000
     assert grown < tokens * 4 / 20
+
+
+@pytest.mark.parametrize("family", ["qwen3", "deepseek_v2", "gpt_oss"])
+def test_a_document_masked_sequence_gives_each_document_the_logits_it_has_alone(family):
+    """Two sequences of 3 and 2 documents (GPT-OSS's sliding window set to 4 tokens, which documents of 9 and 11
+    cross): with docs, each document's logits are those of the document run alone (float32, 1e-5); without, the
+    later documents' differ."""
+    from conftest import relative_error
+    from pith_apps.config import read_json
+    from pith_apps.options import MODELS, PRESETS
+    from pith_apps.data import document_ids
+    config_cls, model_cls = MODELS[family]
+    window = {"sliding_window": 4} if family == "gpt_oss" else {}
+    model = model_cls(config_cls.from_dict(read_json(PRESETS / f"{family}_tiny.json") | {"initializer_range": 0.2} | window))
+    model.init_weights(seed=1)
+    eos, generator = 256, torch.Generator().manual_seed(0)
+    lengths = [[5, 9, 4], [11, 7]]
+    rows = [torch.cat([torch.cat([torch.randint(0, 256, (n - 1,), generator=generator), torch.tensor([eos])])
+                       for n in row]) for row in lengths]
+    ids = torch.stack(rows)
+    docs = document_ids(ids, eos)
+    assert docs.tolist()[1] == [0] * 11 + [1] * 7
+    with torch.no_grad():
+        masked, plain = model(ids, docs=docs), model(ids)
+        for row, row_lengths in enumerate(lengths):
+            start = 0
+            for n in row_lengths:
+                alone = model(ids[row:row + 1, start:start + n])[0]
+                assert relative_error(masked[row, start:start + n], alone) < 1e-5, (row, start)
+                if start:
+                    assert relative_error(plain[row, start:start + n], alone) > 1e-2
+                start += n

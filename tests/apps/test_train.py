@@ -13,8 +13,8 @@ import pith_apps.train as train_app
 from conftest import relative_error
 from hf_compare import bpe_tokenizer, tiny_hf_folder
 from pith_apps.config import ConfigError
-from pith_apps.data import (DEFAULT_CORPUS, ByteTokenizer, HFTokenizer, batch_at, held_out_batch, split_held_out,
-                             token_store)
+from pith_apps.data import (DEFAULT_CORPUS, ByteTokenizer, HFTokenizer, batch_at, document_ids, held_out_batch,
+                             split_held_out, token_store)
 
 QUICK = ["--steps", "60", "--batch-size", "8", "--seq-len", "64", "--warmup", "10", "--quiet"]
 
@@ -372,3 +372,23 @@ def test_training_never_reads_the_held_out_tokens_and_too_little_data_is_named()
     with pytest.raises(ConfigError, match=r"^the dataset's 1,000 tokens cannot hold out --eval-batches 8 of 8 x 16 "
                                           r"tokens and still train; lower --eval-batches or use more data$"):
         split_held_out(tokens, 8, 8, 16)
+
+
+def test_doc_mask_trains_on_the_documents_as_the_model_sees_them_alone(tmp_path):
+    """--doc-mask: the first loss is the fresh model's on the first batch with each token's document (1e-5), not
+    the plain loss, and the run trains."""
+    flags = ["qwen3", "--steps", "20", "--batch-size", "4", "--seq-len", "64", "--save-every", "0", "--quiet"]
+    masked = train_app.train(train_app.parse_args([*flags, "--doc-mask", "--out", str(tmp_path / "masked")]))
+    plain = train_app.train(train_app.parse_args([*flags, "--out", str(tmp_path / "plain")]))
+    args = train_app.parse_args(flags)
+    parallel, device = train_app.layout(args)
+    model = train_app.build_model(train_app.MODELS["qwen3"][1], train_app.model_config(args), parallel, device,
+                                  torch.float32, args.seed, args.seq_len)
+    tokens = token_store(DEFAULT_CORPUS, ByteTokenizer(), cache=tmp_path / "cache")
+    ids, labels = batch_at(tokens, 0, args.seed, args.batch_size, args.seq_len)
+    docs = document_ids(ids, ByteTokenizer.eos_id)
+    assert docs.max() > 0   # the batch holds several documents
+    with torch.no_grad():
+        expected = (model.loss_sum(ids, labels, docs) / labels.numel()).item()
+    assert abs(masked[0] - expected) < 1e-5 * expected and abs(plain[0] - expected) > 1e-4 * expected
+    assert masked[-1] < masked[0] - 1.0

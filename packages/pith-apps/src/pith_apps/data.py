@@ -256,3 +256,10 @@ def held_out_batch(tokens, index: int, batch_size: int, seq_len: int):
     windows = np.stack([np.asarray(tokens[(first + row) * seq_len:(first + row + 1) * seq_len + 1], dtype=np.int64)
                         for row in range(batch_size)])
     return torch.from_numpy(windows[:, :-1]), torch.from_numpy(windows[:, 1:])
+
+
+def document_ids(input_ids: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """[batch, seq]: the index of each token's document within its sequence; a document ends with its end token,
+    so the token after one starts the next document."""
+    ends = (input_ids == eos_id).long()
+    return ends.cumsum(1) - ends

@@ -90,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
         "or from a checkpoint folder.")
     add("--overwrite", action="store_true", help="Replace the run that <out> holds; its checkpoints and TensorBoard "
         "logs are deleted.")
+    add("--doc-mask", action="store_true", help="Each token attends only to earlier tokens of its own document (documents "
+        "end with the tokenizer's end token) and counts its rotary position from its document's start. Attention then "
+        "runs with an explicit mask, off the fastest kernels; GPT-OSS materializes its attention scores.")
     add("--eval-every", type=int, default=0, help="Every N steps and at the last, the mean loss and perplexity on "
         "held-out data (the dataset's last --eval-batches global batches, never trained on), logged to TensorBoard "
         "(default: 0, no evaluation).")

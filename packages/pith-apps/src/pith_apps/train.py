@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 from pith_apps.config import ConfigError, require
-from pith_apps.data import ByteTokenizer, HFTokenizer, batch_at, held_out_batch, split_held_out, token_store
+from pith_apps.data import (ByteTokenizer, HFTokenizer, batch_at, document_ids, held_out_batch, split_held_out,
+                            token_store)
 from pith_apps.options import (DTYPES, MODELS, check_args, hf_config_data, model_config, parse_args,
                                run_config_text)
 from pith_apps.run_log import RunLog
@@ -37,6 +38,7 @@ def train(args) -> list[float]:
     own = args.init if args.init and Path(args.init, "tokenizer.json").is_file() else None
     args.tokenizer = args.tokenizer or own   # resolved: the export copies its files
     tokenizer = HFTokenizer(args.tokenizer) if args.tokenizer else ByteTokenizer()
+    args.eos_id = tokenizer.eos_id   # for --doc-mask
     require(cfg.vocab_size >= tokenizer.vocab_size, f"the tokenizer ({args.tokenizer or 'bytes'}) has "
             f"{tokenizer.vocab_size} tokens, more than the model's vocab_size={cfg.vocab_size}; give a config "
             f"with vocab_size >= {tokenizer.vocab_size} or the model's own tokenizer")
@@ -216,7 +218,7 @@ def train_step(args, parallel: Parallel, device, model, optimizer, number: int, 
     loss = torch.zeros((), device=device)
     micro_batches = list(micro_batches_of(args, parallel, input_ids, labels))
     for index, (ids, targets) in enumerate(micro_batches, 1):
-        micro_loss = model.loss_sum(ids, targets) / tokens
+        micro_loss = model.loss_sum(ids, targets, documents_of(args, ids)) / tokens
         if index == len(micro_batches):
             drop_compute_copies(model)   # the backward below frees each bf16 copy once its layer is done
         micro_loss.backward()
@@ -237,14 +239,19 @@ def train_step(args, parallel: Parallel, device, model, optimizer, number: int, 
     return loss_value, norm_value, stop > 0, routing
 
 
+def documents_of(args, ids):
+    """With --doc-mask, the document index of each token (each token sees only its own document); else None."""
+    return document_ids(ids, args.eos_id) if args.doc_mask else None
+
+
 @torch.no_grad()
 def evaluate(args, parallel: Parallel, device, model, held_out) -> float:
     """Mean loss per token over the held-out batches, the same on every rank (each data rank its rows)."""
     totals = torch.zeros(2, device=device)
     for index in range(args.eval_batches):
         input_ids, labels = held_out_batch(held_out, index, args.batch_size, args.seq_len)
-        for ids, targets in micro_batches_of(args, parallel, input_ids, labels):
-            totals[0] += model.loss_sum(ids.to(device), targets.to(device))
+        for ids, targets in micro_batches_of(args, parallel, input_ids.to(device), labels.to(device)):
+            totals[0] += model.loss_sum(ids, targets, documents_of(args, ids))
             totals[1] += (targets != -100).sum()
     if parallel.world > 1:
         dist.all_reduce(totals)

@@ -22,7 +22,7 @@ from torch import nn
 
 from pith_apps.config import config_from_dict, require
 from pith_apps.models.layers import (CausalLM, MoeDecoderLayer, RMSNorm, causal_attention, SwiGLUExperts, apply_rotary, default_inv_freq, rope_parameters,
-                                     rotary_cos_sin, yarn_inv_freq, yarn_mscale)
+                                     rotary_cos_sin, token_positions, yarn_inv_freq, yarn_mscale)
 from pith_engine.moe import LoadBalance, Routing
 from pith_engine.parallel import Parallel
 
@@ -112,10 +112,10 @@ class DeepseekV2Config:
                     f"num_experts_per_tok={cfg.num_experts_per_tok}")
 
 
-def rotary_tables(cfg: DeepseekV2Config, seq: int, device, dtype):
-    """cos, sin [seq, qk_rope_head_dim]. YaRN scales them by mscale(factor, mscale) / mscale(factor, mscale_all_dim),
-    with DeepSeek's defaults mscale 1 and mscale_all_dim 0 (transformers differs only when just one is set)."""
-    positions = torch.arange(seq, device=device)
+def rotary_tables(cfg: DeepseekV2Config, positions: torch.Tensor, dtype):
+    """cos, sin [seq, qk_rope_head_dim] (rotary_cos_sin's shapes). YaRN scales them by mscale(factor, mscale) /
+    mscale(factor, mscale_all_dim), with DeepSeek's defaults mscale 1 and mscale_all_dim 0 (transformers differs
+    only when just one is set)."""
     if cfg.rope_type == "default":
         return rotary_cos_sin(positions, default_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta), dtype)
     inv_freq = yarn_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.factor, cfg.original_max_position_embeddings,
@@ -160,7 +160,7 @@ class DeepseekV2Attention(nn.Module):
         # YaRN sharpens the softmax by mscale(factor, mscale_all_dim)^2 (1 without YaRN: factor 1)
         self.scale = (self.nope_dim + self.rope_dim) ** -0.5 * yarn_mscale(cfg.factor, cfg.mscale_all_dim) ** 2
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, docs=None):
         batch, seq, _ = x.shape
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
         q_nope, q_rope = q.view(batch, seq, self.heads, -1).transpose(1, 2).split([self.nope_dim, self.rope_dim], -1)
@@ -170,7 +170,7 @@ class DeepseekV2Attention(nn.Module):
         k_rope = apply_rotary_pairs(k_rope.unsqueeze(1), cos, sin).expand(-1, self.heads, -1, -1)  # one for all heads
         query = torch.cat([q_nope, apply_rotary_pairs(q_rope, cos, sin)], -1)
         key = torch.cat([k_nope, k_rope], -1)
-        out = causal_attention(query, key, v, self.scale)
+        out = causal_attention(query, key, v, self.scale, docs=docs)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -199,14 +199,14 @@ class DeepseekV2DecoderLayer(MoeDecoderLayer):
                                        cfg.aux_loss_alpha, cfg.n_routed_experts / cfg.num_experts_per_tok,
                                        parallel.group("dp", "cp", "ep"), micro_batches=micro_batches)
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, docs=None):
         if self.is_moe:
-            return super().forward(x, cos, sin)
-        hidden = x + self.self_attn(self.input_layernorm(x), cos, sin)
+            return super().forward(x, cos, sin, docs)
+        hidden = x + self.self_attn(self.input_layernorm(x), cos, sin, docs)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
-    def attention_stage(self, x, cos, sin):
-        hidden = x + self.self_attn(self.input_layernorm(x), cos, sin)
+    def attention_stage(self, x, cos, sin, docs=None):
+        hidden = x + self.self_attn(self.input_layernorm(x), cos, sin, docs)
         tokens = self.post_attention_layernorm(hidden).flatten(0, 1)
         scores = torch.softmax(F.linear(tokens.float(), self.mlp.gate.weight.float()), dim=-1)  # router in fp32
         expert_ids, weights = self.route(scores)
@@ -238,9 +238,9 @@ class DeepseekV2ForCausalLM(CausalLM):
         super().__init__(cfg, (DeepseekV2DecoderLayer(cfg, n >= cfg.first_k_dense_replace, parallel, balance, micro_batches)
                                for n in range(cfg.num_hidden_layers)), RMSNorm(cfg.hidden_size, cfg.rms_norm_eps))
 
-    def hidden_states(self, input_ids):
+    def hidden_states(self, input_ids, docs=None):
         x = self.model.embed_tokens(input_ids)
-        cos, sin = rotary_tables(self.config, input_ids.shape[1], input_ids.device, x.dtype)
+        cos, sin = rotary_tables(self.config, token_positions(input_ids, docs), x.dtype)
         for layer in self.model.layers:
-            x = layer(x, cos, sin)
+            x = layer(x, cos, sin, docs)
         return self.model.norm(x)

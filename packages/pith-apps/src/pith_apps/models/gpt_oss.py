@@ -18,7 +18,8 @@ from torch import nn
 from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
 
 from pith_apps.config import config_from_dict, require
-from pith_apps.models.layers import CausalLM, MoeDecoderLayer, LocalExperts, RMSNorm, apply_rotary, rope_parameters, rotary_cos_sin, yarn_inv_freq, yarn_mscale
+from pith_apps.models.layers import (CausalLM, MoeDecoderLayer, LocalExperts, RMSNorm, apply_rotary, rope_parameters,
+                                     rotary_cos_sin, token_positions, visible, yarn_inv_freq, yarn_mscale)
 from pith_engine.moe import LoadBalance, Routing
 from pith_engine.parallel import Parallel
 from pith_ops.grouped_gemm import grouped_bias_add, grouped_linear
@@ -109,26 +110,25 @@ def yarn_fields(rope: dict) -> dict:
     return fields | ({"rope_theta": rope["rope_theta"]} if "rope_theta" in rope else {})
 
 
-def attention_with_sinks(q, k, v, sinks, window: int | None, scale: float):
+def attention_with_sinks(q, k, v, sinks, window: int | None, scale: float, docs=None):
     """Causal attention whose softmax has one extra column per head, the learned sink logit, dropped before
-    multiplying V (so a row's weights sum to < 1). window: token i sees i - window + 1 .. i.
+    multiplying V (so a row's weights sum to < 1). window: token i sees i - window + 1 .. i; docs ([batch, seq]
+    document index of each token): only tokens of its own document.
     q [batch, heads, seq, dim], k and v [batch, kv_heads, seq, dim] -> [batch, heads, seq, dim].
     On CUDA: compiled flex_attention (no [seq, seq] scores in memory) and the sink as a rescale by the
     log-sum-exp; elsewhere (flex_attention has no CPU backward) the materialized reference."""
-    if q.is_cuda:
+    if q.is_cuda and docs is None:
         return flex_attention_with_sinks(q, k, v, sinks, window, scale)
-    return materialized_attention_with_sinks(q, k, v, sinks, window, scale)
+    return materialized_attention_with_sinks(q, k, v, sinks, window, scale, docs)
 
 
-def materialized_attention_with_sinks(q, k, v, sinks, window: int | None, scale: float):
+def materialized_attention_with_sinks(q, k, v, sinks, window: int | None, scale: float, docs=None):
     batch, heads, seq, dim = q.shape
     kv_heads = k.shape[1]
     q = q.view(batch, kv_heads, heads // kv_heads, seq, dim)  # query head h reads kv head h // group
     scores = (q @ k.unsqueeze(2).transpose(-2, -1)).float() * scale
-    position = torch.arange(seq, device=q.device)
-    offset = position[:, None] - position[None, :]
-    unseen = (offset < 0) | (offset >= window) if window else offset < 0
-    scores = scores.masked_fill(unseen, float("-inf"))
+    seen = visible(seq, q.device, docs, window)
+    scores = scores.masked_fill(~(seen if docs is None else seen[:, :, None]), float("-inf"))
     sink = sinks.float().view(1, kv_heads, -1, 1, 1).expand(batch, -1, -1, seq, 1)
     probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
     return (probs.to(v.dtype) @ v.unsqueeze(2)).flatten(1, 2)
@@ -170,13 +170,13 @@ class GptOssAttention(nn.Module):
         self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size)
         self.sinks = nn.Parameter(torch.zeros(self.heads))
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, docs=None):
         batch, seq, _ = x.shape
         q = self.q_proj(x).view(batch, seq, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(batch, seq, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, seq, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = attention_with_sinks(q, k, v, self.sinks, self.window, self.head_dim ** -0.5)
+        out = attention_with_sinks(q, k, v, self.sinks, self.window, self.head_dim ** -0.5, docs)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -228,8 +228,8 @@ class GptOssDecoderLayer(MoeDecoderLayer):
         self.balance = LoadBalance(cfg.num_local_experts, balance, cfg.router_aux_loss_coef, cfg.num_local_experts,
                                    parallel.group("dp", "cp", "ep"), micro_batches=micro_batches)
 
-    def attention_stage(self, x, cos, sin):
-        hidden = x + self.self_attn(self.input_layernorm(x), cos, sin)
+    def attention_stage(self, x, cos, sin, docs=None):
+        hidden = x + self.self_attn(self.input_layernorm(x), cos, sin, docs)
         tokens = self.post_attention_layernorm(hidden).flatten(0, 1)
         logits = self.mlp.router(tokens).float()
         expert_ids, top_logits = self.balance.select(logits, self.top_k)  # top-k of raw logits, softmax over the k
@@ -246,13 +246,13 @@ class GptOssForCausalLM(CausalLM):
                                for layer_type in cfg.layer_types),
                          RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, scale_in_fp32=True))
 
-    def hidden_states(self, input_ids):
+    def hidden_states(self, input_ids, docs=None):
         cfg = self.config
         x = self.model.embed_tokens(input_ids)
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        positions = token_positions(input_ids, docs)
         inv_freq = yarn_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_factor, cfg.rope_original_max_position,
                                  cfg.rope_beta_fast, cfg.rope_beta_slow, truncate=cfg.rope_truncate)
         cos, sin = rotary_cos_sin(positions, inv_freq, x.dtype, scale=cfg.rope_attention_factor)
         for layer in self.model.layers:
-            x = layer(x, cos, sin)
+            x = layer(x, cos, sin, docs)
         return self.model.norm(x)

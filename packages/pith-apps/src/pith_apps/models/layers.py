@@ -72,11 +72,36 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 
 
 def rotary_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype, scale: float = 1.0):
-    """cos and sin [seq, dim] for the rotate-half layout (each frequency appears twice)."""
+    """cos and sin for the rotate-half layout (each frequency appears twice): [seq, dim] for positions [seq],
+    [batch, 1, seq, dim] (one for all heads) for per-sequence positions [batch, seq]."""
     # non_blocking: a blocking copy from pageable memory would wait for the GPU to drain every forward
-    angles = positions.float()[:, None] * inv_freq.to(positions.device, non_blocking=True)[None, :]
+    angles = positions.float()[..., None] * inv_freq.to(positions.device, non_blocking=True)
     angles = torch.cat([angles, angles], dim=-1)
+    if positions.dim() == 2:
+        angles = angles[:, None]
     return (angles.cos() * scale).to(dtype), (angles.sin() * scale).to(dtype)
+
+
+def token_positions(input_ids: torch.Tensor, docs: torch.Tensor | None) -> torch.Tensor:
+    """[seq] positions, or with docs (the document index of each token, [batch, seq], non-decreasing along a
+    sequence) each token's position within its own document, [batch, seq]."""
+    index = torch.arange(input_ids.shape[1], device=input_ids.device)
+    if docs is None:
+        return index
+    starts = torch.ones_like(docs, dtype=torch.bool)
+    starts[:, 1:] = docs[:, 1:] != docs[:, :-1]
+    return index - torch.where(starts, index, 0).cummax(1).values
+
+
+def visible(seq: int, device, docs: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+    """[seq, seq] (or [batch, 1, seq, seq] with docs) bool: query i sees key j when j <= i, within the sliding
+    window (i - j < window) and, with docs, of the same document."""
+    position = torch.arange(seq, device=device)
+    offset = position[:, None] - position[None, :]
+    seen = (offset >= 0) & (offset < window) if window else offset >= 0
+    if docs is None:
+        return seen
+    return seen & (docs[:, None, :, None] == docs[:, None, None, :])
 
 
 def apply_rotary(x, cos, sin):
@@ -85,12 +110,17 @@ def apply_rotary(x, cos, sin):
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
-def causal_attention(q, k, v, scale: float, enable_gqa: bool = False):
+def causal_attention(q, k, v, scale: float, enable_gqa: bool = False, docs: torch.Tensor | None = None):
     """Causal SDPA, q [batch, heads, seq, dim], k and v [batch, kv_heads, seq, dim]; never materializes scores on GPU.
+    With docs ([batch, seq] document index of each token) a token sees only its own document's, through a
+    [batch, 1, seq, seq] mask, which rules out the flash and cuDNN kernels (--doc-mask costs that).
     The backend is torch's choice, made once per process at the first CUDA call: cuDNN first on Hopper and
     Blackwell, the only fast kernel there for MLA's query/key 192 vs value 128 head dims (bench/RESULTS.md).
     No sdpa_kernel context here: one around that first call restores, on exit, the order from before torch made
     its choice, which keeps the whole process off cuDNN (transformers' DeepSeek-V2 step then ran 1/3 slower)."""
+    if docs is not None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible(q.shape[2], q.device, docs), scale=scale,
+                                              enable_gqa=enable_gqa)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa)
 
 
@@ -101,8 +131,8 @@ class MoeDecoderLayer(nn.Module):
     attention_stage and overrides what it does differently."""
     is_moe = True
 
-    def forward(self, x, cos, sin):
-        return run_moe_layer(self, x, cos, sin)
+    def forward(self, x, cos, sin, docs=None):
+        return run_moe_layer(self, x, cos, sin, docs)
 
     def expert_stage(self, x, tokens_per_expert):
         return self.mlp.experts(x, tokens_per_expert)
@@ -196,17 +226,18 @@ class CausalLM(nn.Module):
         for buffer in self.buffers():
             buffer.zero_()
 
-    def forward(self, input_ids, labels=None):
+    def forward(self, input_ids, labels=None, docs=None):
         """Logits [batch, seq, vocab]; with labels, the token-summed fp32 cross-entropy over labels != -100,
         without materializing the logits (the caller divides once by the token count). One entry point, so
-        that mixed precision and FSDP wrap both."""
-        hidden = self.hidden_states(input_ids)
+        that mixed precision and FSDP wrap both. docs: the document index of each token ([batch, seq]): each
+        token then attends to and counts positions within its own document only."""
+        hidden = self.hidden_states(input_ids, docs)
         if labels is None:
             return self.lm_head(hidden)
         return linear_cross_entropy(hidden.flatten(0, 1), self.lm_head.weight, labels.flatten())
 
-    def loss_sum(self, input_ids, labels):
-        return self(input_ids, labels)
+    def loss_sum(self, input_ids, labels, docs=None):
+        return self(input_ids, labels, docs)
 
     def hf_views(self):
         """(Hugging Face tensor name, view of the parameter holding it): import copies into the views, export

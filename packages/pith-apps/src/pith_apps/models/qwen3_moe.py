@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from pith_apps.config import config_from_dict, require
-from pith_apps.models.layers import CausalLM, MoeDecoderLayer, RMSNorm, causal_attention, SwiGLUExperts, apply_rotary, default_inv_freq, rope_parameters, rotary_cos_sin
+from pith_apps.models.layers import (CausalLM, MoeDecoderLayer, RMSNorm, causal_attention, SwiGLUExperts, apply_rotary,
+                                     default_inv_freq, rope_parameters, rotary_cos_sin, token_positions)
 from pith_engine.moe import LoadBalance, Routing
 from pith_engine.parallel import Parallel
 
@@ -75,13 +76,13 @@ class Qwen3MoeAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, docs=None):
         batch, seq, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(batch, seq, self.heads, self.head_dim)).transpose(1, 2)
         k = self.k_norm(self.k_proj(x).view(batch, seq, self.kv_heads, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(batch, seq, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = causal_attention(q, k, v, self.head_dim ** -0.5, enable_gqa=True)
+        out = causal_attention(q, k, v, self.head_dim ** -0.5, enable_gqa=True, docs=docs)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -103,8 +104,8 @@ class Qwen3MoeDecoderLayer(MoeDecoderLayer):
         self.balance = LoadBalance(cfg.num_experts, balance, cfg.router_aux_loss_coef, cfg.num_experts,
                                    parallel.group("dp", "cp", "ep"), micro_batches=micro_batches)
 
-    def attention_stage(self, x, cos, sin):
-        hidden = x + self.self_attn(self.input_layernorm(x), cos, sin)
+    def attention_stage(self, x, cos, sin, docs=None):
+        hidden = x + self.self_attn(self.input_layernorm(x), cos, sin, docs)
         tokens = self.post_attention_layernorm(hidden).flatten(0, 1)
         probs = torch.softmax(self.mlp.gate(tokens).float(), dim=-1)
         expert_ids, weights = self.balance.select(probs, self.top_k)
@@ -122,10 +123,10 @@ class Qwen3MoeForCausalLM(CausalLM):
                                for _ in range(cfg.num_hidden_layers)),
                          RMSNorm(cfg.hidden_size, cfg.rms_norm_eps))
 
-    def hidden_states(self, input_ids):
+    def hidden_states(self, input_ids, docs=None):
         x = self.model.embed_tokens(input_ids)
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        positions = token_positions(input_ids, docs)
         cos, sin = rotary_cos_sin(positions, default_inv_freq(self.config.head_dim, self.config.rope_theta), x.dtype)
         for layer in self.model.layers:
-            x = layer(x, cos, sin)
+            x = layer(x, cos, sin, docs)
         return self.model.norm(x)
