@@ -12,7 +12,7 @@ import pith_apps.options as options
 import pith_apps.train as train_app
 from conftest import relative_error
 from hf_compare import bpe_tokenizer, tiny_hf_folder
-from pith_apps.config import ConfigError
+from pith_apps.config import ConfigError, flops_per_token
 from pith_apps.data import (DEFAULT_CORPUS, ByteTokenizer, HFTokenizer, batch_at, document_ids, held_out_batch,
                              split_held_out, token_store)
 
@@ -329,17 +329,21 @@ def tensorboard_events(folder):
 
 
 def test_tensorboard_holds_the_scalars_the_held_out_loss_and_the_expert_load_pictures(tmp_path):
-    """6 steps, evaluated at 3 and 6 on the corpus's last 2 global batches (held out), pictures at 3 and 6. The
+    """6 steps, evaluated at 3 and 6 on the corpus's last 2 global batches (held out), pictures at 3 and 6, MFU
+    against a given peak. The
     logged held-out loss is that of the saved step-6 weights on those tokens, recomputed here (1e-5); the aux
     loss (Qwen3's switch loss, top_k = 2 when balanced, times coef 0.001 and 2 MoE layers) is near 0.004."""
     from pith_engine import checkpoint
     flags = ["qwen3", "--steps", "6", "--batch-size", "4", "--seq-len", "32", "--eval-every", "3", "--eval-batches", "2",
-             "--image-every", "3", "--save-every", "6", "--quiet", "--out", str(tmp_path / "run")]
+             "--image-every", "3", "--save-every", "6", "--peak-tflops", "0.05", "--quiet", "--out", str(tmp_path / "run")]
     args = train_app.parse_args(flags)
     train_app.train(args)
     events = tensorboard_events(tmp_path / "run" / "tb")
-    for tag in ("loss", "lr", "grad_norm", "tokens_per_s", "aux_loss"):
+    for tag in ("loss", "lr", "grad_norm", "tokens_per_s", "aux_loss", "mfu_pct"):
         assert [e.step for e in events.Scalars(f"train/{tag}")] == [1, 2, 3, 4, 5, 6], tag
+    flops = flops_per_token(train_app.hf_config_data(args), 32)   # MFU against the given 0.05 TFLOP/s peak
+    for speed, mfu in zip(events.Scalars("train/tokens_per_s"), events.Scalars("train/mfu_pct")):
+        assert abs(mfu.value - 100 * speed.value * flops / 0.05e12) < 1e-5 * mfu.value
     assert all(0.001 < e.value < 0.012 for e in events.Scalars("train/aux_loss"))
     evals, perplexities = events.Scalars("eval/loss"), events.Scalars("eval/perplexity")
     assert [e.step for e in evals] == [e.step for e in perplexities] == [3, 6]

@@ -63,3 +63,31 @@ def config_from_dict(cls, data: dict, model_type: str):
 def require(ok: bool, message: str):
     if not ok:
         raise ConfigError(message)
+
+
+def flops_per_token(p: dict, seq: int) -> float:
+    """Training FLOPs per token of a Hugging Face config of the three families at sequence length seq: 6 per
+    matmul weight a token passes through (attention, router, active and shared experts, LM head), plus the
+    causal attention scores (a sliding-window layer's only up to its window). MFU's numerator."""
+    h, heads, layers = p["hidden_size"], p["num_attention_heads"], p["num_hidden_layers"]
+    if p["model_type"] == "deepseek_v2":
+        qk_dim, v_dim = p["qk_nope_head_dim"] + p["qk_rope_head_dim"], p["v_head_dim"]
+        attention = (h * heads * qk_dim + h * (p["kv_lora_rank"] + p["qk_rope_head_dim"])
+                     + p["kv_lora_rank"] * heads * (p["qk_nope_head_dim"] + v_dim) + heads * v_dim * h)
+        experts, width = p["n_routed_experts"], p["moe_intermediate_size"]
+        active = p["num_experts_per_tok"] + p["n_shared_experts"]
+        dense_layers = p["first_k_dense_replace"]
+    else:
+        head_dim, kv_heads = p["head_dim"], p["num_key_value_heads"]
+        qk_dim = v_dim = head_dim
+        attention = h * head_dim * (2 * heads + 2 * kv_heads)
+        experts = p.get("num_experts") or p["num_local_experts"]
+        width = p["moe_intermediate_size"] if p["model_type"] == "qwen3_moe" else p["intermediate_size"]
+        active, dense_layers = p["num_experts_per_tok"], 0
+    moe = 3 * h * width * active + h * experts
+    dense = 3 * h * p.get("intermediate_size", 0)
+    weights = layers * attention + dense_layers * dense + (layers - dense_layers) * moe + h * p["vocab_size"]
+    window = p.get("sliding_window")
+    keys = [min(seq / 2, window) if kind == "sliding_attention" and window else seq / 2
+            for kind in p.get("layer_types", ["full_attention"] * layers)]   # mean keys a query attends to
+    return 6 * weights + 6 * sum(keys) * heads * (qk_dim + v_dim)

@@ -97,6 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
         "held-out data (the dataset's last --eval-batches global batches, never trained on), logged to TensorBoard "
         "(default: 0, no evaluation).")
     add("--eval-batches", type=int, default=4, help="Global batches held out for --eval-every (default: 4).")
+    add("--peak-tflops", type=float, help="The accelerator's bf16 dense peak, TFLOP/s, for the MFU logged to TensorBoard "
+        "(default: 989 on an H100 or H200, 312 on an A100, 2250 on a B200 by the GPU's name; otherwise no MFU).")
     add("--image-every", type=int, default=50, help="Every N steps and at the last, each MoE layer's expert load to "
         "TensorBoard as a heatmap (layers x experts) and histograms (default: 50).")
     add("--quiet", action="store_true", help="Show no progress bar and no line on tokenizing a dataset.")
@@ -158,6 +160,7 @@ def check_args(args):
     require(args.model in MODELS, f"unknown model '{args.model}'; valid models: {', '.join(MODELS)}")
     require(args.schedule in SCHEDULES, f"unknown --schedule '{args.schedule}'; valid: {', '.join(SCHEDULES)}")
     require(args.balance in (None, *BALANCE_MODES), f"unknown --balance '{args.balance}'; valid: {', '.join(BALANCE_MODES)}")
+    require(args.peak_tflops is None or args.peak_tflops > 0, f"--peak-tflops={args.peak_tflops} must be > 0")
     require(args.eval_every >= 0, f"--eval-every={args.eval_every} must be >= 0 (0: no evaluation)")
     require(args.save_every >= 0, f"--save-every={args.save_every} must be >= 0 (0: no checkpoints)")
     require(not (args.overwrite and (args.resume or args.resume_from)),

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pith_apps.config import ConfigError, require
+from pith_apps.config import ConfigError, flops_per_token, require
 from pith_apps.data import (ByteTokenizer, HFTokenizer, batch_at, document_ids, held_out_batch, split_held_out,
                             token_store)
 from pith_apps.options import (DTYPES, MODELS, check_args, hf_config_data, model_config, parse_args,
@@ -160,8 +160,9 @@ def train_on(args, cfg, parallel: Parallel, device: torch.device, data, folder, 
     lead = parallel.rank == 0
     losses, speeds, evals = [], [], []
     progress = make_progress(start, args) if lead else lambda loss, tokens_per_s: None
+    hf_config, peak = hf_config_data(args), args.peak_tflops or peak_tflops(device)
     saved_meta = dict(run=run_id, config=config_dict(cfg), layout=dict(dp=parallel.dp, ep=parallel.ep),
-                      model=args.model, hf_config=hf_config_data(args), tokenizer=args.tokenizer)
+                      model=args.model, hf_config=hf_config, tokenizer=args.tokenizer)
     export_checkpoint = args.export_hf and parallel.world > 1   # several processes export from the last checkpoint
     with StopSignals() as signals, RunLog(folder.tb, start, lead, args.image_every) as log:
         for step in range(start, args.steps):
@@ -176,6 +177,8 @@ def train_on(args, cfg, parallel: Parallel, device: torch.device, data, folder, 
             losses.append(loss_value)
             speeds.append(tokens_per_s)
             scalars = dict(loss=loss_value, lr=lr, grad_norm=norm, tokens_per_s=tokens_per_s)
+            if peak:
+                scalars["mfu_pct"] = 100 * tokens_per_s * flops_per_token(hf_config, args.seq_len) / (peak * 1e12)
             if device.type == "cuda":
                 scalars["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
             log.step(step + 1, scalars, routing, last=step + 1 == args.steps or stop)
@@ -237,6 +240,17 @@ def train_step(args, parallel: Parallel, device, model, optimizer, number: int, 
         raise ConfigError(f"step {number}: {what}; the update was skipped and nothing of it was saved, the last "
                           f"checkpoint is intact; lower --lr (now {args.lr}) and continue with --resume or --resume-from")
     return loss_value, norm_value, stop > 0, routing
+
+
+PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "B200": 2250.0}   # bf16 dense, NVIDIA's data sheets
+
+
+def peak_tflops(device: torch.device) -> float | None:
+    """The GPU's bf16 dense peak by its name (PEAK_TFLOPS), for the MFU scalar; None when unknown."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for model, peak in PEAK_TFLOPS.items() if model in name), None)
 
 
 def documents_of(args, ids):
