@@ -164,3 +164,16 @@ def test_a_document_masked_sequence_gives_each_document_the_logits_it_has_alone(
                 if start:
                     assert relative_error(plain[row, start:start + n], alone) > 1e-2
                 start += n
+
+
+def test_a_hub_name_goes_to_the_hub_and_a_missing_path_is_named(tmp_path, monkeypatch):
+    """owner/name that is no local path is asked of the Hugging Face hub; offline here (tests have no network),
+    the hub's refusal is one line. A missing file is named as a missing path, not sent to the hub."""
+    import datasets
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ConfigError, match=r"^dataset 'someone/stories' is no local file or folder, and the Hugging Face "
+                                          r"hub did not give it: .*someone/stories"):
+        token_store("someone/stories", ByteTokenizer(), cache=tmp_path)
+    with pytest.raises(ConfigError, match=r"^dataset path '.*missing\.jsonl' does not exist; give a "):
+        token_store(tmp_path / "missing.jsonl", ByteTokenizer(), cache=tmp_path)
+    assert not any(tmp_path.glob("*.building"))   # the failed build left no scratch folder

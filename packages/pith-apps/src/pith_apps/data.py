@@ -15,6 +15,7 @@ import functools
 import hashlib
 import json
 import os
+import re
 import shutil
 import time
 from contextlib import contextmanager
@@ -28,6 +29,7 @@ from pith_apps.config import ConfigError
 DEFAULT_CORPUS = Path(__file__).parent / "corpus" / "tiny_stories.txt"
 BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
 KINDS = ".txt/.jsonl/.json/.parquet/.arrow"
+HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
 class ByteTokenizer:
@@ -90,10 +92,14 @@ class HFTokenizer:
 
 
 def data_files(path: str | Path) -> tuple[str, list[str]]:
-    """The `datasets` builder name and the files for a file or folder path."""
-    path = Path(path)
+    """The `datasets` builder name and the files for a file or folder path; ("hub", [name]) for a name of the
+    Hugging Face hub (owner/name) that is no local path."""
+    name, path = str(path), Path(path)
     if not path.exists():
-        raise ConfigError(f"dataset path '{path}' does not exist; give a {KINDS} file or a folder of them")
+        if HUB_NAME.fullmatch(name) and path.suffix not in BUILDERS:
+            return "hub", [name]
+        raise ConfigError(f"dataset path '{path}' does not exist; give a {KINDS} file, a folder of them or a Hugging "
+                          "Face hub dataset name (owner/name)")
     files = sorted(p for p in path.iterdir() if p.suffix in BUILDERS) if path.is_dir() else [path]
     kinds = {BUILDERS.get(p.suffix) for p in files}
     if not files or None in kinds or len(kinds) > 1:
@@ -109,10 +115,11 @@ def token_store(path: str | Path, tokenizer, text_field: str = "text", cache: st
     with their sizes and times, tokenizer, field) into a folder of `cache`, under a file lock, so that the
     processes of a run, or several runs, wait for one build and share it."""
     builder, files = data_files(path)
-    if all(Path(file).stat().st_size == 0 for file in files):
+    if builder != "hub" and all(Path(file).stat().st_size == 0 for file in files):
         raise ConfigError(f"dataset '{path}' holds no text (its files are empty)")
     field = "text" if builder == "text" else text_field
-    identity = [[str(Path(f).resolve()), Path(f).stat().st_size, Path(f).stat().st_mtime_ns] for f in files]
+    identity = files if builder == "hub" else [[str(Path(f).resolve()), Path(f).stat().st_size, Path(f).stat().st_mtime_ns]
+                                              for f in files]   # a hub dataset is kept until its folder is deleted
     key = hashlib.sha256(json.dumps([identity, tokenizer.fingerprint, tokenizer.eos_id, field]).encode()).hexdigest()
     folder = Path(cache) / key[:24]
     tokens = folder / "tokens.u32"
@@ -155,8 +162,14 @@ def tokenize_into(scratch: Path, path, builder: str, files: list[str], field: st
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)   # its reading errors reach the user as our one line
     tic = time.perf_counter()
     try:
-        dataset = datasets.load_dataset(builder, data_files=files, split="train", cache_dir=str(scratch / "hf"))
+        if builder == "hub":
+            dataset = datasets.load_dataset(files[0], split="train", cache_dir=str(scratch / "hf"))
+        else:
+            dataset = datasets.load_dataset(builder, data_files=files, split="train", cache_dir=str(scratch / "hf"))
     except Exception as err:   # datasets wraps every reading problem in its own exception types
+        if builder == "hub":
+            raise ConfigError(f"dataset '{path}' is no local file or folder, and the Hugging Face hub did not give it: "
+                              f"{str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__}") from None
         raise ConfigError(f"dataset '{path}' could not be read: {first_bad_line(builder, files) or root_cause(err)}") from None
     if field not in dataset.column_names:
         raise ConfigError(f"dataset '{path}' has columns {dataset.column_names}, no '{field}'; name the column to "

@@ -42,8 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
         "On several processes rank 0 first writes the weights as a checkpoint in <out>/init-weights, which every "
         "rank loads its part of.")
     add("--layers", type=int, help="Keep only the first N decoder layers of the config, for experiments.")
-    add("--data", default=str(DEFAULT_CORPUS), help="A .txt, .jsonl, .json, .parquet or .arrow file, or a folder of "
-        "files of one of those kinds, to train on (default: the small corpus bundled with the app).")
+    add("--data", default=str(DEFAULT_CORPUS), help="A .txt, .jsonl, .json, .parquet or .arrow file, a folder of "
+        "files of one of those kinds, or a Hugging Face hub dataset name (owner/name), to train on (default: the "
+        "small corpus bundled with the app).")
     add("--data-cache", default=str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pith" / "tokens"),
         help="The folder where a dataset is stored tokenized, once per dataset and tokenizer, for every run and process "
         "to read (default: $XDG_CACHE_HOME/pith/tokens, else ~/.cache/pith/tokens).")
