@@ -161,6 +161,7 @@ def train_on(args, cfg, parallel: Parallel, device: torch.device, data, folder, 
     losses, speeds, evals = [], [], []
     progress = make_progress(start, args) if lead else lambda loss, tokens_per_s: None
     hf_config, peak = hf_config_data(args), args.peak_tflops or peak_tflops(device)
+    flops = flops_per_token(hf_config, args.seq_len)   # per token of training, for the MFU
     saved_meta = dict(run=run_id, config=config_dict(cfg), layout=dict(dp=parallel.dp, ep=parallel.ep),
                       model=args.model, hf_config=hf_config, tokenizer=args.tokenizer)
     export_checkpoint = args.export_hf and parallel.world > 1   # several processes export from the last checkpoint
@@ -178,7 +179,7 @@ def train_on(args, cfg, parallel: Parallel, device: torch.device, data, folder, 
             speeds.append(tokens_per_s)
             scalars = dict(loss=loss_value, lr=lr, grad_norm=norm, tokens_per_s=tokens_per_s)
             if peak:
-                scalars["mfu_pct"] = 100 * tokens_per_s * flops_per_token(hf_config, args.seq_len) / (peak * 1e12)
+                scalars["mfu_pct"] = 100 * tokens_per_s * flops / (peak * 1e12)
             if device.type == "cuda":
                 scalars["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
             log.step(step + 1, scalars, routing, last=step + 1 == args.steps or stop)
