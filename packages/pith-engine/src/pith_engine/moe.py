@@ -168,15 +168,8 @@ class LoadBalance(nn.Module):
             return (counts / tokens * prob_sums / tokens).sum() / self.micro_batches
         return (counts / tokens * prob_sums / tokens).sum() / (units * self.data_ranks * self.micro_batches)
 
-    @torch.no_grad()
-    def update_bias(self):
-        """After an optimizer step (aux_free): move each expert's bias toward the mean load of all data ranks."""
-        if self.data_group is not None:
-            dist.all_reduce(self.expert_load, group=self.data_group)
-        self.move_bias(self.expert_load)
-        self.expert_load.zero_()
-
     def move_bias(self, loads: torch.Tensor):
+        """aux_free, after an optimizer step: each expert's bias moves by bias_rate toward the mean load."""
         self.expert_bias += self.bias_rate * torch.sign(loads.mean() - loads)
 
 
