@@ -212,7 +212,8 @@ def compare_grads(c: dict) -> list[dict]:
 
 def profile_step(run_step, path: Path) -> dict:
     """One more step under torch.profiler: its kernels, largest total first, written to path; returns how much
-    of the step's span the GPU was busy (the union of kernel times) and its idle gaps over 50 us."""
+    of the step's span the GPU was busy (the union of kernel times) and its idle gaps over 50 us, the longest
+    with the kernels before and after them."""
     import torch
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
                                                           if torch.cuda.is_available() else [])
@@ -220,16 +221,18 @@ def profile_step(run_step, path: Path) -> dict:
         run_step()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-    kernels = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                      if e.device_type == torch.autograd.DeviceType.CUDA)
-    busy, gaps, end = 0.0, [], kernels[0][0] if kernels else 0.0
-    for start, stop in kernels:
+    busy, gaps, end, last = 0.0, [], kernels[0][0] if kernels else 0.0, ""
+    for start, stop, name in kernels:
         if start > end:
-            gaps.append(start - end)
+            gaps.append((start - end, last[:60], name[:60]))
         busy += max(0.0, stop - max(start, end))
-        end = max(end, stop)
+        end, last = max(end, stop), name if stop >= end else last
+    long_gaps = sorted((g for g in gaps if g[0] > 50), reverse=True)
     summary = dict(span_ms=round((end - kernels[0][0]) / 1e3, 2) if kernels else 0.0, busy_ms=round(busy / 1e3, 2),
-                   gaps_over_50us=sum(g > 50 for g in gaps), idle_in_those_ms=round(sum(g for g in gaps if g > 50) / 1e3, 2))
+                   gaps_over_50us=len(long_gaps), idle_in_those_ms=round(sum(g[0] for g in long_gaps) / 1e3, 2),
+                   longest_gaps=[(round(g / 1e3, 3), before, after) for g, before, after in long_gaps[:10]])
     sort_by = "cuda_time_total" if kernels else "cpu_time_total"
     table = prof.key_averages().table(sort_by=sort_by, row_limit=120, max_name_column_width=90)
     path.write_text(json.dumps(summary) + "\n" + table)

@@ -178,6 +178,17 @@ def test_an_out_that_cannot_be_a_writable_folder_and_contradicting_flags_are_nam
         "--overwrite starts the run over; it cannot go with --resume or --resume-from")
 
 
+def test_a_read_only_out_is_named_in_one_line(tmp_path, capsys):
+    # permissions do not stop root, and nothing can create a file in sysfs: root's read-only folder
+    if os.geteuid() == 0:
+        read_only = "/sys"
+    else:
+        read_only = tmp_path / "read-only"
+        read_only.mkdir(mode=0o555)
+    assert one_line_error(capsys, read_only) == (
+        f"--out {read_only} is not a writable folder (Permission denied); choose another --out")
+
+
 def start(out, *flags) -> subprocess.Popen:
     """The app in its own process; returns once it holds the run folder's lock."""
     process = subprocess.Popen([sys.executable, "-m", "pith_apps.train", *QUICK, "--out", str(out), *flags],

@@ -38,6 +38,26 @@ def test_matches_reference_loss_and_gradients(tokens, chunk_size, vocab, dtype, 
     assert torch.all(grad_h[labels == -100] == 0)
 
 
+@pytest.mark.parametrize("master_dtype", [torch.float32, torch.bfloat16])
+def test_a_weight_naming_its_master_adds_two_micro_batches_into_the_masters_grad(master_dtype):
+    """The mixed-precision path (a bf16 copy naming its fp32 master) and the bf16 one (a parameter naming
+    itself): the scaled gradient of each backward lands in the master's .grad, none in the copy's."""
+    generator = torch.Generator().manual_seed(0)
+    master = (torch.randn(300, 16, generator=generator) * 0.5).to(KERNEL_DEVICE, master_dtype).requires_grad_()
+    copy = master.detach().to(torch.bfloat16).requires_grad_()
+    copy.grad_into = master
+    hiddens = [torch.randn(40, 16, generator=generator).to(torch.bfloat16) for _ in range(2)]
+    labels = [torch.randint(0, 300, (40,), generator=generator) for _ in range(2)]
+    for hidden, label in zip(hiddens, labels):
+        (linear_cross_entropy(hidden.to(KERNEL_DEVICE), copy, label.to(KERNEL_DEVICE), chunk_size=16,
+                              use_kernel=True) * 0.25).backward()
+    reference = master.detach().cpu().float().requires_grad_()
+    for hidden, label in zip(hiddens, labels):
+        (linear_cross_entropy_reference(hidden.float(), reference, label) * 0.25).backward()
+    assert copy.grad is None and master.grad.dtype == master_dtype
+    assert relative_error(master.grad.cpu().float(), reference.grad) < TOLERANCE[torch.bfloat16]
+
+
 def test_only_hidden_needs_gradient():
     hidden = torch.randn(10, 8, requires_grad=True)
     weight = torch.randn(30, 8)

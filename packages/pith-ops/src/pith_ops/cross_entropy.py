@@ -2,7 +2,9 @@
 
 Tokens are processed in chunks: each chunk's logits are turned into its loss and, in the same pass,
 into the gradients of the hidden states and of the head weight (softmax minus one-hot), then dropped.
-Backward only scales the stored gradients by the incoming scalar, so the logits are never recomputed.
+Backward only scales the stored gradients by the incoming scalar, so the logits are never recomputed;
+a weight that names a parameter as `grad_into` has its scaled gradient added straight into that
+parameter's .grad (fp32 for master weights) in the same pass, where the kernels run.
 For 4096 tokens and a 151,936 vocabulary the fp32 logits alone would be 2.5 GB; here the peak is one
 chunk of logits in the compute dtype plus the weight gradient.
 
@@ -66,13 +68,32 @@ def _chunk_loss_and_grad_torch(logits, labels, ignore_index):
     return loss, grad.mul_(valid[:, None])
 
 
+@triton.jit
+def _scale_into_kernel(out_ptr, grad_ptr, scale_ptr, n, ACCUMULATE: tl.constexpr, BLOCK: tl.constexpr):
+    """out (+)= grad * scale[0] in fp32, stored in out's dtype."""
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    value = tl.load(grad_ptr + offsets, mask=offsets < n).to(tl.float32) * tl.load(scale_ptr).to(tl.float32)
+    if ACCUMULATE:
+        value += tl.load(out_ptr + offsets, mask=offsets < n).to(tl.float32)
+    tl.store(out_ptr + offsets, value.to(out_ptr.dtype.element_ty), mask=offsets < n)
+
+
+def _scale_into(out, grad, scale, accumulate, use_kernel):
+    """out (+)= grad * scale (a 0-dim tensor). The kernel reads the scale on the GPU: torch's mul_ by a 0-dim
+    CUDA tensor measured 2.6x slower than by a Python number on the H200 (bench/RESULTS.md)."""
+    if not (use_kernel and out.is_contiguous() and grad.is_contiguous()):
+        return out.add_(grad * scale) if accumulate else out.copy_(grad * scale)
+    _scale_into_kernel[(triton.cdiv(grad.numel(), 4096),)](out, grad, scale, grad.numel(), accumulate, BLOCK=4096)
+    return out
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, ignore_index, chunk_size, use_kernel, grad_mode):
         chunk_loss_and_grad = _chunk_loss_and_grad_kernel if use_kernel else _chunk_loss_and_grad_torch
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if grad_mode and hidden.requires_grad else None
-        grad_weight = torch.zeros_like(weight) if grad_mode and weight.requires_grad else None
+        grad_weight = None
         for start in range(0, hidden.shape[0], chunk_size):
             h, y = hidden[start:start + chunk_size], labels[start:start + chunk_size]
             chunk_loss, grad_logits = chunk_loss_and_grad(h @ weight.T, y.contiguous(), ignore_index)
@@ -80,18 +101,30 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad_logits = grad_logits.to(hidden.dtype)
             if grad_hidden is not None:
                 torch.matmul(grad_logits, weight, out=grad_hidden[start:start + chunk_size])
-            if grad_weight is not None:
-                grad_weight.addmm_(grad_logits.T, h)
+            if grad_mode and weight.requires_grad:
+                grad_weight = grad_logits.T @ h if grad_weight is None else grad_weight.addmm_(grad_logits.T, h)
         # kept on ctx, not saved: they are ours alone, so backward may scale them in place (no second
         # weight-sized buffer); the price is that this backward runs once (no retain_graph reuse)
-        ctx.grads = (grad_hidden, grad_weight)
+        ctx.grads, ctx.use_kernel = (grad_hidden, grad_weight), use_kernel
+        ctx.into = getattr(weight, "grad_into", None) if use_kernel else None
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        grads = tuple(g.mul_(grad_loss.to(g.dtype)) if g is not None else None for g in ctx.grads)
+        (grad_hidden, grad_weight), into, use_kernel = ctx.grads, ctx.into, ctx.use_kernel
         del ctx.grads
-        return *grads, None, None, None, None, None
+        grad_loss = grad_loss.float()
+        if grad_hidden is not None:
+            _scale_into(grad_hidden, grad_hidden, grad_loss, False, use_kernel)
+        if grad_weight is not None and into is not None:
+            first = into.grad is None
+            if first:
+                into.grad = torch.empty_like(into)
+            _scale_into(into.grad, grad_weight, grad_loss, not first, use_kernel)
+            grad_weight = None
+        elif grad_weight is not None:
+            _scale_into(grad_weight, grad_weight, grad_loss, False, use_kernel)
+        return grad_hidden, grad_weight, None, None, None, None, None
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
@@ -101,7 +134,9 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
 
     hidden [tokens, hidden_size], weight [vocab, hidden_size] (nn.Linear layout), labels [tokens] with
     ignore_index marking tokens that count for nothing. Gradients flow to hidden and weight. The Triton
-    kernel runs on CUDA tensors (or when use_kernel=True, e.g. under TRITON_INTERPRET=1).
+    kernels run on CUDA tensors (or when use_kernel=True, e.g. under TRITON_INTERPRET=1); there a weight
+    that carries `grad_into` (a compute copy of a master parameter, or a parameter naming itself) gets no
+    gradient through autograd: its gradient is added into grad_into.grad.
     """
     if hidden.shape[0] != labels.shape[0]:
         raise ValueError(f"linear_cross_entropy: {hidden.shape[0]} hidden rows but {labels.shape[0]} labels")
