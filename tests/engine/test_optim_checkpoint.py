@@ -1,3 +1,4 @@
+import copy
 import math
 
 import pytest
@@ -39,10 +40,12 @@ def two_linears(grad_scale: float):
     return model
 
 
+@pytest.mark.parametrize("use_kernel", [False, True])   # torch's fused AdamW; pith_ops' kernel
 @pytest.mark.parametrize("grad_scale", [0.01, 10.0])   # norm ~0.04, below the clip; ~40, above it
-def test_the_clip_inside_the_fused_step_updates_as_clipping_the_gradients_first(grad_scale):
+def test_the_clip_inside_the_fused_step_updates_as_clipping_the_gradients_first(grad_scale, use_kernel):
     folded, first = two_linears(grad_scale), two_linears(grad_scale)
     folded_opt, first_opt = adamw(folded, 0.1, 0.1), adamw(first, 0.1, 0.1)
+    folded_opt.use_kernel = use_kernel
     norm = grad_norm(folded.parameters())
     assert norm.item() == pytest.approx(math.sqrt(sum((p.grad.double() ** 2).sum().item() for p in first.parameters())))
     for _ in range(2):   # the second step also checks that no scale is left behind on the optimizer
@@ -55,9 +58,11 @@ def test_the_clip_inside_the_fused_step_updates_as_clipping_the_gradients_first(
     assert not torch.allclose(folded[0].weight, two_linears(grad_scale)[0].weight, rtol=0, atol=1e-3)   # it moved
 
 
-def test_a_non_finite_gradient_norm_skips_the_step_and_leaves_weights_and_state_as_they_were():
+@pytest.mark.parametrize("use_kernel", [False, True])
+def test_a_non_finite_gradient_norm_skips_the_step_and_leaves_weights_and_state_as_they_were(use_kernel):
     model = two_linears(1.0)
     optimizer = adamw(model, 0.1, 0.1)
+    optimizer.use_kernel = use_kernel
     clipped_step(optimizer, grad_norm(model.parameters()), 1.0)
     weights = [p.detach().clone() for p in model.parameters()]
     state = [{k: v.clone() for k, v in optimizer.state[p].items()} for p in model.parameters()]
@@ -68,6 +73,34 @@ def test_a_non_finite_gradient_norm_skips_the_step_and_leaves_weights_and_state_
     assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
     for p, before in zip(model.parameters(), state):
         assert all(torch.equal(optimizer.state[p][k], v) for k, v in before.items())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernel_steps_as_torchs_fused_adamw_and_torch_continues_from_its_state(dtype):
+    """Four steps with new gradients each, against torch's fused AdamW given the kernel's weights and state before
+    each step after the first (so torch continues from the kernel's state, and bf16 roundings do not add up
+    over the steps). fp32: within 1e-6 (a division order apart); bf16: one bf16 rounding step (2**-7 relative)."""
+    models = [two_linears(1.0).to(dtype) for _ in range(2)]
+    ours, torchs = adamw(models[0], 0.1, 0.1), adamw(models[1], 0.1, 0.1)
+    ours.use_kernel = True
+    tolerance = 1e-6 if dtype == torch.float32 else 2 ** -7
+    generator = torch.Generator().manual_seed(1)
+    for step in range(4):
+        if step > 0:
+            models[1].load_state_dict(models[0].state_dict())
+            torchs.load_state_dict(copy.deepcopy(ours.state_dict()))   # else the two share the moments
+        grads = [torch.randn(p.shape, generator=generator).to(dtype) for p in models[0].parameters()]
+        for model in models:
+            for p, g in zip(model.parameters(), grads):
+                p.grad = g.clone()
+        ours.step()
+        torchs.step()
+        for a, b in zip(*(model.parameters() for model in models)):
+            assert a.dtype == dtype and torch.allclose(a.float(), b.float(), rtol=tolerance, atol=1e-6)
+            assert ours.state[a]["step"].item() == torchs.state[b]["step"].item() == step + 1
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert torch.allclose(ours.state[a][key].float(), torchs.state[b][key].float(), rtol=tolerance,
+                                      atol=1e-8)
 
 
 def test_crash_during_save_keeps_the_previous_checkpoint_and_old_ones_are_pruned(tmp_path, monkeypatch):
