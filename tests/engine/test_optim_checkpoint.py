@@ -103,6 +103,25 @@ def test_the_kernel_steps_as_torchs_fused_adamw_and_torch_continues_from_its_sta
                                       atol=1e-8)
 
 
+@pytest.mark.parametrize("use_kernel", [False, True])
+def test_a_closure_gives_the_gradients_and_the_loss_as_in_torch(use_kernel):
+    models = [two_linears(0.0) for _ in range(2)]
+    ours, torchs = adamw(models[0], 0.1, 0.0), torch.optim.AdamW(models[1].parameters(), 0.1, (0.9, 0.95), weight_decay=0.0)
+    ours.use_kernel = use_kernel
+
+    def closure_for(model):
+        def closure():
+            loss = model(torch.ones(2, 5)).square().sum()
+            model.zero_grad()
+            loss.backward()
+            return loss
+        return closure
+    our_loss, torch_loss = ours.step(closure_for(models[0])), torchs.step(closure_for(models[1]))
+    assert our_loss.item() == pytest.approx(torch_loss.item(), rel=1e-6)
+    for a, b in zip(models[0].parameters(), models[1].parameters()):
+        assert torch.allclose(a, b, rtol=0, atol=1e-6)
+
+
 def test_crash_during_save_keeps_the_previous_checkpoint_and_old_ones_are_pruned(tmp_path, monkeypatch):
     model = torch.nn.Linear(3, 2)
     optimizer = adamw(model, lr=0.1, weight_decay=0.0)

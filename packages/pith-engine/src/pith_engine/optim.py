@@ -40,9 +40,14 @@ class AdamW(torch.optim.AdamW):
 
     @torch.no_grad()
     def step(self, closure=None):
+        loss = None
+        if closure is not None:   # as torch's: the closure computes the gradients this step uses
+            with torch.enable_grad():
+                loss = closure()
         found = [(p, group) for group in self.param_groups for p in group["params"] if p.grad is not None]
         if not found or not (found[0][0].is_cuda if self.use_kernel is None else self.use_kernel):
-            return super().step(closure)
+            super().step()
+            return loss
         device = found[0][0].device
         grad_scale = getattr(self, "grad_scale", None)
         grad_scale = torch.ones((), device=device) if grad_scale is None else grad_scale
@@ -53,6 +58,7 @@ class AdamW(torch.optim.AdamW):
         for (p, group), state in zip(found, states):
             adamw_update(*(local_part(t) for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"])), state["step"],
                          group["lr"], group["betas"], group["eps"], group["weight_decay"], grad_scale, found_inf)
+        return loss
 
     def state_of(self, param: torch.Tensor) -> dict:
         """The parameter's state, made as torch's fused AdamW makes it on the first step."""
