@@ -30,9 +30,9 @@ class AdamW(torch.optim.AdamW):
     """torch's fused AdamW (its arguments, state and checkpoints), stepping each tensor with pith_ops' one-kernel
     update (adamw_update) where use_kernel (default: the parameters are on CUDA). In Qwen3's step on the H200
     (4 layers, 3.1 B parameters) the update took 11.9 ms in bf16 and 23.1 in fp32, where torch's fused
-    AdamW took 19 and 25 (bench/RESULTS.md). grad_scale and found_inf
-    set as attributes (clipped_step) act as in torch's: each gradient divided by the scale, the update and the
-    step count skipped where found_inf is nonzero."""
+    AdamW took 19 and 25 (bench/RESULTS.md). grad_scale and found_inf set as attributes (clipped_step) act
+    as in torch's: each gradient divided by the scale, the update and the step count skipped where found_inf
+    is nonzero."""
 
     def __init__(self, params, use_kernel: bool | None = None, **options):
         super().__init__(params, fused=True, **options)
@@ -44,18 +44,18 @@ class AdamW(torch.optim.AdamW):
         if closure is not None:   # as torch's: the closure computes the gradients this step uses
             with torch.enable_grad():
                 loss = closure()
-        found = [(p, group) for group in self.param_groups for p in group["params"] if p.grad is not None]
-        if not found or not (found[0][0].is_cuda if self.use_kernel is None else self.use_kernel):
+        with_grads = [(p, group) for group in self.param_groups for p in group["params"] if p.grad is not None]
+        if not with_grads or not (with_grads[0][0].is_cuda if self.use_kernel is None else self.use_kernel):
             super().step()
             return loss
-        device = found[0][0].device
+        device = with_grads[0][0].device
         grad_scale = getattr(self, "grad_scale", None)
         grad_scale = torch.ones((), device=device) if grad_scale is None else grad_scale
         found_inf = getattr(self, "found_inf", None)
         found_inf = torch.zeros((), device=device) if found_inf is None else found_inf
-        states = [self.state_of(p) for p, _ in found]
+        states = [self.state_of(p) for p, _ in with_grads]
         torch._foreach_add_([state["step"] for state in states], 1 - found_inf)
-        for (p, group), state in zip(found, states):
+        for (p, group), state in zip(with_grads, states):
             adamw_update(*(local_part(t) for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"])), state["step"],
                          group["lr"], group["betas"], group["eps"], group["weight_decay"], grad_scale, found_inf)
         return loss

@@ -116,14 +116,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_loss = grad_loss.float()
         if grad_hidden is not None:
             _scale_into(grad_hidden, grad_hidden, grad_loss, False, use_kernel)
-        if grad_weight is not None and into is not None:
+        if grad_weight is not None and into is None:
+            _scale_into(grad_weight, grad_weight, grad_loss, False, use_kernel)
+        elif grad_weight is not None:
             first = into.grad is None
             if first:
                 into.grad = torch.empty_like(into)
             _scale_into(into.grad, grad_weight, grad_loss, not first, use_kernel)
-            grad_weight = None
-        elif grad_weight is not None:
-            _scale_into(grad_weight, grad_weight, grad_loss, False, use_kernel)
+            grad_weight = None   # it is in into.grad: autograd gets none
         return grad_hidden, grad_weight, None, None, None, None, None
 
 
