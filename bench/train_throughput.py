@@ -8,7 +8,7 @@ slower than alone). This process imports neither torch nor either side.
 Full width, 4 decoder layers (the real presets cut), 4096-token sequences of uniform random tokens, a step of
 `accum` micro-batches of one sequence; median of the steps after 2 warm-ups (6 timed steps of 8 micro-batches,
 as many micro-batches' worth of shorter steps: 48 of one). Our side runs the app's own `train_step` on the
-app's model: precision "mixed" is the app's (fp32 master weights, gradients and AdamW state, bf16 compute),
+app's model, replayed from the third step as one CUDA graph as the app does on one GPU (`--no-cuda-graph`: eagerly): precision "mixed" is the app's (fp32 master weights, gradients and AdamW state, bf16 compute),
 "bf16" the same step with the model cast to bf16 (each kernel that can adds its gradient into the bf16 .grad
 itself: add_grads_in_kernels). The baseline (bench/hf_baseline.py) does the matching
 transformers step. MFU: model FLOPs per token (6 x the matmul weights a token passes through: attention,
@@ -17,7 +17,7 @@ width) against the bf16 matmul peak measured here.
 
   PYTHONPATH=packages/pith-ops/src:packages/pith-engine/src:packages/pith-apps/src \
     python3 bench/train_throughput.py [--families qwen3] [--accum 1 8] [--precision bf16 mixed] [--repeats 2]
-        [--sides pith] [--profile]
+        [--sides pith] [--profile] [--no-cuda-graph]
   ... --parity [--precision mixed] [--lr 1e-4]: from the same transformers weights, our loss over 20 AdamW
       steps on the bundled corpus (byte tokens) against transformers'
   ... --sdpa-check: transformers alone, and after one call of our causal attention in its process
@@ -73,7 +73,7 @@ def pith_setup(c: dict, preset: dict, hf_weights: str | None = None):
     """The app's model, optimizer and step function for configuration c."""
     import torch
     from pith_apps.options import MODELS, check_args, model_config, parse_args
-    from pith_apps.train import build_model, layout, train_step
+    from pith_apps.train import build_model, layout, step_graph, train_step
     from pith_engine.compile import compile_stages
     from pith_engine.data_parallel import add_grads_in_kernels
     from pith_engine.optim import adamw
@@ -81,7 +81,8 @@ def pith_setup(c: dict, preset: dict, hf_weights: str | None = None):
         config_file = Path(folder, "config.json")
         config_file.write_text(json.dumps(preset))
         args = parse_args([c["family"], "--config", str(config_file), "--seq-len", str(c["seq"]), "--batch-size",
-                           str(c["accum"]), "--micro-batch-size", "1", "--device", c["device"], "--save-every", "0"])
+                           str(c["accum"]), "--micro-batch-size", "1", "--device", c["device"], "--save-every", "0"]
+                          + ([] if c.get("cuda_graph", True) else ["--no-cuda-graph"]))
         check_args(args)
         cfg, model_cls = model_config(args), MODELS[args.model][1]
     parallel, device = layout(args)
@@ -97,9 +98,10 @@ def pith_setup(c: dict, preset: dict, hf_weights: str | None = None):
     if device.type == "cuda":
         compile_stages(model)
     optimizer = adamw(model, c["lr"], 0.0)
+    graph = step_graph(args, parallel, device, model, optimizer)
 
     def step(number, ids, labels):
-        return train_step(args, parallel, device, model, optimizer, number, ids, labels, False)[0]
+        return train_step(args, parallel, device, model, optimizer, number, ids, labels, False, graph)[0]
     return model, step
 
 
@@ -269,7 +271,8 @@ def isolated(config: dict) -> dict:
 
 
 def configurations(args) -> list[dict]:
-    base = dict(layers=args.layers, seq=args.seq, device=args.device, lr=1e-4, profile=args.profile)
+    base = dict(layers=args.layers, seq=args.seq, device=args.device, lr=1e-4, profile=args.profile,
+                cuda_graph=args.cuda_graph)
     return [base | dict(side=side, family=family, preset=args.preset or REAL[family], accum=accum, precision=precision,
                         steps=args.steps or 2 + 6 * -(-8 // accum))
             for family in args.families for precision in args.precision for accum in args.accum
@@ -367,6 +370,8 @@ def main():
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--profile", action="store_true", help="also profile one more step of each run: "
                         "$OUT/profile_<side>_<family>_<precision>_<accum>.txt and the row's GPU busy / idle time")
+    parser.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false", help="our steps eagerly, as "
+                        "the app's --no-cuda-graph (default: replayed as one CUDA graph, as the app does on one GPU)")
     parser.add_argument("--parity", action="store_true")
     parser.add_argument("--lr", type=float, default=1e-4, help="the parity runs' learning rate (default 1e-4)")
     parser.add_argument("--sdpa-check", action="store_true")

@@ -15,6 +15,8 @@ from hf_compare import bpe_tokenizer, tiny_hf_folder
 from pith_apps.config import ConfigError, flops_per_token
 from pith_apps.data import (DEFAULT_CORPUS, ByteTokenizer, HFTokenizer, batch_at, document_ids, held_out_batch,
                              split_held_out, token_store)
+from pith_engine.compile import compile_stages
+from pith_engine.optim import adamw, lr_at
 
 QUICK = ["--steps", "60", "--batch-size", "8", "--seq-len", "64", "--warmup", "10", "--quiet"]
 
@@ -43,6 +45,40 @@ def test_bf16_compute_follows_the_fp32_run_and_keeps_fp32_weights_and_optimizer_
     for name in ("model.embed_tokens.weight", "model.layers.1.mlp.experts.3.down_proj",
                  "optimizer.lm_head.weight.exp_avg_sq"):
         assert saved[name].properties.dtype == torch.float32, name
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (the device machine)")
+def test_the_replayed_cuda_graph_step_trains_and_evaluates_as_the_eager_step():
+    """On one GPU the app replays its step as a CUDA graph from step 3. train_on's loop (without its TensorBoard
+    log), eagerly and through step_graph: the losses of 8 steps under a warmup schedule (the lr changes each step)
+    and held-out losses evaluated between replays (the bf16 copies of the weights made afresh) match within 1e-4
+    (atomic adds in the embedding's backward)."""
+    args = train_app.parse_args(["qwen3", *QUICK, "--steps", "8", "--warmup", "8", "--eval-batches", "2", "--device",
+                                 "cuda"])
+    train_app.check_args(args)
+    stream = torch.tensor(ByteTokenizer().encode(DEFAULT_CORPUS.read_text()))
+    stream, held_out = split_held_out(stream, args.eval_batches, args.batch_size, args.seq_len)
+    runs = []
+    for graphed in (True, False):
+        parallel, device = train_app.layout(args)
+        model = train_app.build_model(train_app.MODELS["qwen3"][1], options.model_config(args), parallel, device,
+                                      torch.bfloat16, args.seed, args.seq_len, args.balance, 1)
+        compile_stages(model)
+        optimizer = adamw(model, args.lr, args.weight_decay)
+        graph = train_app.step_graph(args, parallel, device, model, optimizer) if graphed else None
+        losses, evals = [], []
+        for step in range(args.steps):
+            for group in optimizer.param_groups:
+                group["lr"] = lr_at(step, args.lr, args.warmup, args.steps, args.schedule)
+            ids, labels = batch_at(stream, step, args.seed, args.batch_size, args.seq_len)
+            losses.append(train_app.train_step(args, parallel, device, model, optimizer, step + 1, ids, labels, False,
+                                               graph)[0])
+            if step % 3 == 2:
+                evals.append(train_app.evaluate(args, parallel, device, model, held_out))
+        runs.append((losses, evals, graph))
+    (graph_losses, graph_evals, graph), (eager_losses, eager_evals, _) = runs
+    assert graph.graph is not None and len(graph_evals) == 2   # captured, and evaluated between replays
+    assert graph_losses == pytest.approx(eager_losses, rel=1e-4) and graph_evals == pytest.approx(eager_evals, rel=1e-4)
 
 
 def test_resume_after_a_crash_repeats_the_uninterrupted_run_exactly(tmp_path, monkeypatch):
@@ -101,6 +137,7 @@ def test_batches_are_a_pure_function_of_seed_and_step(tmp_path):
     (["qwen3", "--micro-batch-size", "3"], "--micro-batch-size=3 does not divide the 16 sequences of each data rank"),
     (["qwen3", "--layers", "3"], "--layers=3 must be at most the config's num_hidden_layers=2"),
     (["deepseek_v2", "--layers", "1"], "all 1 layers of the model are dense, none MoE; raise --layers"),
+    (["qwen3", "--cuda-graph", "--device", "cpu"], "--cuda-graph needs CUDA and one process (here --device cpu, 1 "),
 ])
 def test_bad_input_ends_with_one_clear_line(argv, named, tmp_path):
     bad = tmp_path / "config.json"

@@ -3,7 +3,7 @@ import torch
 
 from conftest import KERNEL_DEVICE, relative_error
 from pith_ops.grouped_gemm import grouped_bias_add, grouped_linear, grouped_linear_reference
-from pith_ops.token_permute import combine_tokens, dedup_by_rank, dispatch_tokens, sort_by_expert
+from pith_ops.token_permute import _counting_sort, combine_tokens, dedup_by_rank, dispatch_tokens, sort_by_expert
 
 
 def random_routing(tokens, top_k, experts, seed):
@@ -23,12 +23,29 @@ def test_sort_by_expert_groups_slots_and_inverse_undoes_it(tokens, top_k, expert
     assert torch.equal(order[inverse], torch.arange(tokens * top_k))
 
 
-def test_sort_by_expert_leaves_absent_slots_out():
+@pytest.mark.parametrize("use_kernel", [False, True])
+def test_sort_by_expert_leaves_absent_slots_out(use_kernel):
     expert_ids = torch.tensor([[1, -1], [-1, 0], [1, 0], [-1, -1]])
-    order, inverse, tokens_per_expert = sort_by_expert(expert_ids, 2, present=4)
+    device = KERNEL_DEVICE if use_kernel else "cpu"
+    order, inverse, tokens_per_expert = sort_by_expert(expert_ids.to(device), 2, present=4, use_kernel=use_kernel)
     assert order.tolist() == [3, 5, 0, 4]
     assert inverse.tolist() == [2, -1, -1, 0, 3, 1, -1, -1]
     assert tokens_per_expert.tolist() == [2, 2]
+
+
+@pytest.mark.parametrize("tokens,top_k,experts,absent", [(300, 8, 128, False), (333, 6, 64, True)])
+def test_the_counting_sort_kernels_give_the_stable_argsorts_order(tokens, top_k, experts, absent):
+    """Blocks of 64 slots (1024 on the GPU), so that a slot's place depends on the blocks before it (38 of them
+    at the first shape: more than the 32 rows of counts the kernel sums at a time)."""
+    generator = torch.Generator().manual_seed(tokens)
+    expert_ids = torch.randint(0, experts, (tokens, top_k), generator=generator)
+    if absent:
+        expert_ids[torch.rand(expert_ids.shape, generator=generator) < 0.3] = -1
+    present = int((expert_ids >= 0).sum())
+    expected = sort_by_expert(expert_ids, experts, present if absent else None, use_kernel=False)
+    got = _counting_sort(expert_ids.to(KERNEL_DEVICE).flatten(), experts, present, block=64)
+    for name, a, b in zip(("order", "inverse", "tokens_per_expert"), got, expected):
+        assert torch.equal(a.cpu(), b), name
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
         "float32 (default: bfloat16 on CUDA, float32 on CPU).")
     add("--compile", action=argparse.BooleanOptionalAction, help="Compile the dense stages with torch.compile "
         "(default: on for CUDA, off on CPU, where it costs minutes).")
+    add("--cuda-graph", action=argparse.BooleanOptionalAction, help="After the first 2 steps, capture the training "
+        "step as one CUDA graph and replay it: the host launches a step in one call (default: on for one process on "
+        "CUDA; CUDA and one process only).")
     add("--balance", help="Expert load balancing: " + ", ".join(BALANCE_MODES) + " (default: the family's own, "
         "sequence for DeepSeek-V2 with seq_aux, else global_batch).")
     for dim, meaning in (("dp", "data (FSDP2)"), ("ep", "expert"), ("pp", "pipeline (validated, not built yet)"),
@@ -176,6 +179,9 @@ def check_args(args):
             f"unknown --device '{args.device}'; valid: cpu, cuda, cuda:N")
     require(not args.device.startswith("cuda") or torch.cuda.is_available(),
             f"--device {args.device} asked for, but torch sees no CUDA device; use --device cpu")
+    processes = args.dp * args.ep * args.pp * args.cp
+    require(not args.cuda_graph or (args.device != "cpu" and processes == 1), f"--cuda-graph needs CUDA and one "
+            f"process (here --device {args.device}, {processes} processes); leave it out or use --no-cuda-graph")
 
 
 def model_config(args):

@@ -7,6 +7,7 @@ with AdamW, showing a progress bar, writing TensorBoard scalars to <out>/tb and 
 checkpoints to <out>/checkpoints that --resume continues from, under the same or another layout.
 """
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -26,6 +27,7 @@ from pith_apps.options import (DTYPES, MODELS, check_args, hf_config_data, model
                                run_config_text)
 from pith_apps.run_log import RunLog
 from pith_engine.compile import compile_stages
+from pith_engine.cuda_graph import StepGraph
 from pith_engine.data_parallel import drop_compute_copies, grad_norm, local_part, shard_model
 from pith_engine.moe import update_expert_bias
 from pith_engine.optim import adamw, clipped_step, lr_at
@@ -153,6 +155,7 @@ def train_on(args, cfg, parallel: Parallel, device: torch.device, data, folder, 
     if args.compile if args.compile is not None else device.type == "cuda":
         compile_stages(model)
     optimizer = adamw(model, args.lr, args.weight_decay)
+    graph = step_graph(args, parallel, device, model, optimizer)
     if args.save_every:
         size = checkpoint_bytes(model, parallel)
         on_lead(parallel, lambda: folder.check_space(size))
@@ -173,7 +176,7 @@ def train_on(args, cfg, parallel: Parallel, device: torch.device, data, folder, 
                 group["lr"] = lr
             input_ids, labels = batch_at(stream, step, args.seed, args.batch_size, args.seq_len)
             loss_value, norm, stop, routing = train_step(args, parallel, device, model, optimizer, step + 1, input_ids,
-                                                         labels, signals.asked is not None)
+                                                         labels, signals.asked is not None, graph)
             tokens_per_s = args.batch_size * args.seq_len / (time.perf_counter() - tic)
             losses.append(loss_value)
             speeds.append(tokens_per_s)
@@ -212,24 +215,17 @@ def train_on(args, cfg, parallel: Parallel, device: torch.device, data, folder, 
     return losses
 
 
-def train_step(args, parallel: Parallel, device, model, optimizer, number: int, input_ids, labels, stop_asked: bool):
-    """Optimizer step `number` (from 1) on a global batch, its micro-batches' gradients accumulated. Returns the
-    step's loss, the gradient norm before the clip, whether any rank was asked to stop (the same on every
-    rank) and the step's routing (update_expert_bias); ConfigError when the loss or the gradients are not finite, the update skipped (before anything is saved)."""
-    tokens = (labels != -100).sum().item()   # of the global batch: each micro-batch's loss is its share of the mean
-    if device.type == "cuda":   # one copy a step that does not wait: a blocking one waits for the GPU to drain
-        input_ids, labels = (t.pin_memory().to(device, non_blocking=True) for t in (input_ids, labels))
-    loss = torch.zeros((), device=device)
-    micro_batches = list(micro_batches_of(args, parallel, input_ids, labels))
-    for index, (ids, targets) in enumerate(micro_batches, 1):
-        micro_loss = model.loss_sum(ids, targets, documents_of(args, ids)) / tokens
-        if index == len(micro_batches):
-            drop_compute_copies(model)   # the backward below frees each bf16 copy once its layer is done
-        micro_loss.backward()
-        loss += micro_loss.detach()
-    norm = grad_norm(model.parameters())
-    clipped_step(optimizer, norm, args.clip)
-    optimizer.zero_grad(set_to_none=True)
+def train_step(args, parallel: Parallel, device, model, optimizer, number: int, input_ids, labels, stop_asked: bool,
+               graph: StepGraph | None = None):
+    """Optimizer step `number` (from 1) on a global batch, its micro-batches' gradients accumulated (through `graph`,
+    a StepGraph of gradient_step, when given). Returns the step's loss, the gradient norm before the clip, whether
+    any rank was asked to stop (the same on every rank) and the step's routing (update_expert_bias); ConfigError
+    when the loss or the gradients are not finite, the update skipped (before anything is saved). The learning rate
+    is the optimizer's groups' (train_on sets one for all), passed in as a tensor so that a replay follows it."""
+    lr = torch.tensor(optimizer.param_groups[0]["lr"], dtype=torch.float32)
+    if device.type == "cuda":   # copies that do not wait: a blocking one waits for the GPU to drain
+        input_ids, labels, lr = (t.pin_memory().to(device, non_blocking=True) for t in (input_ids, labels, lr))
+    loss, norm = (graph or functools.partial(gradient_step, args, parallel, model, optimizer))(input_ids, labels, lr)
     routing = update_expert_bias(model)
     totals = torch.stack([loss, torch.tensor(float(stop_asked), device=device)])
     if parallel.world > 1:   # one all-reduce: losses add up over data ranks, a stop asked of any rank shows
@@ -241,6 +237,33 @@ def train_step(args, parallel: Parallel, device, model, optimizer, number: int, 
         raise ConfigError(f"step {number}: {what}; the update was skipped and nothing of it was saved, the last "
                           f"checkpoint is intact; lower --lr (now {args.lr}) and continue with --resume or --resume-from")
     return loss_value, norm_value, stop > 0, routing
+
+
+def step_graph(args, parallel: Parallel, device, model, optimizer) -> StepGraph | None:
+    """The CUDA graph of gradient_step that train_step replays, where --cuda-graph asks for one (default: one
+    process on CUDA); None: each step runs eagerly."""
+    if args.cuda_graph if args.cuda_graph is not None else device.type == "cuda" and parallel.world == 1:
+        return StepGraph(functools.partial(gradient_step, args, parallel, model, optimizer))
+    return None
+
+
+def gradient_step(args, parallel: Parallel, model, optimizer, input_ids, labels, lr):
+    """What a step does on the device: each micro-batch's forward and backward, the clip and the update at learning
+    rate lr (a 0-dim tensor); returns the loss and the gradient norm before the clip, as device tensors. It never
+    waits for the host, so that a CUDA graph can capture it (StepGraph)."""
+    tokens = (labels != -100).sum()   # of the global batch: each micro-batch's loss is its share of the mean
+    loss = torch.zeros((), device=input_ids.device)
+    micro_batches = list(micro_batches_of(args, parallel, input_ids, labels))
+    for index, (ids, targets) in enumerate(micro_batches, 1):
+        micro_loss = model.loss_sum(ids, targets, documents_of(args, ids)) / tokens
+        if index == len(micro_batches):
+            drop_compute_copies(model)   # the backward below frees each bf16 copy once its layer is done
+        micro_loss.backward()
+        loss += micro_loss.detach()
+    norm = grad_norm(model.parameters())
+    clipped_step(optimizer, norm, args.clip, lr)
+    optimizer.zero_grad(set_to_none=True)
+    return loss, norm
 
 
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "B200": 2250.0}   # bf16 dense, NVIDIA's data sheets
@@ -268,6 +291,7 @@ def evaluate(args, parallel: Parallel, device, model, held_out) -> float:
         for ids, targets in micro_batches_of(args, parallel, input_ids.to(device), labels.to(device)):
             totals[0] += model.loss_sum(ids, targets, documents_of(args, ids))
             totals[1] += (targets != -100).sum()
+    drop_compute_copies(model)   # a replayed step (StepGraph) updates the weights without the hook that drops them
     if parallel.world > 1:
         dist.all_reduce(totals)
     return (totals[0] / totals[1]).item()

@@ -2,8 +2,9 @@
 moments is read once and written once, in the tensors' own dtype, the math in fp32.
 
 The update matches torch's fused AdamW (decoupled weight decay, bias-corrected moments, the gradient divided by
-an optional grad_scale and the update skipped where found_inf is nonzero), with the step count, the scale and the
-skip flag read on the GPU, so nothing waits for the host.
+an optional grad_scale and the update skipped where found_inf is nonzero), with the step count, the learning
+rate, the scale and the skip flag read on the GPU, so nothing waits for the host and a CUDA graph of the step
+follows a learning-rate schedule.
 """
 import torch
 import triton
@@ -11,13 +12,14 @@ import triton.language as tl
 
 
 @triton.jit
-def _adamw_kernel(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, step_ptr, scale_ptr, skip_ptr, n, lr, beta1,
+def _adamw_kernel(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, step_ptr, lr_ptr, scale_ptr, skip_ptr, n, beta1,
                   beta2, eps, weight_decay, BLOCK: tl.constexpr):
     if tl.load(skip_ptr) != 0:
         return
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inside = offsets < n
     step = tl.load(step_ptr).to(tl.float32)
+    lr = tl.load(lr_ptr).to(tl.float32)
     correction1 = 1 - tl.exp(step * tl.log(beta1))
     correction2 = 1 - tl.exp(step * tl.log(beta2))
     grad = tl.load(grad_ptr + offsets, mask=inside).to(tl.float32) / tl.load(scale_ptr).to(tl.float32)
@@ -31,14 +33,14 @@ def _adamw_kernel(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, step_ptr, sc
 
 
 def adamw_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                 step: torch.Tensor, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
+                 step: torch.Tensor, lr: torch.Tensor, betas: tuple[float, float], eps: float, weight_decay: float,
                  grad_scale: torch.Tensor, found_inf: torch.Tensor, block: int = 4096, num_warps: int = 8):
     """In place: param, exp_avg and exp_avg_sq after one AdamW step of count `step` (a 0-dim tensor, already
     counting this step) on grad / grad_scale, none of it where found_inf != 0. All four tensors contiguous, of one
-    shape; grad_scale, found_inf and step 0-dim tensors on their device."""
+    shape; step, lr, grad_scale and found_inf 0-dim tensors on their device."""
     if not all(t.is_contiguous() and t.shape == param.shape for t in (grad, exp_avg, exp_avg_sq)):
         raise ValueError(f"adamw_update: parameter {tuple(param.shape)}, its gradient and moments must be "
                          "contiguous tensors of that shape")
-    _adamw_kernel[(triton.cdiv(param.numel(), block),)](param, grad, exp_avg, exp_avg_sq, step, grad_scale, found_inf,
-                                                        param.numel(), lr, betas[0], betas[1], eps, weight_decay,
+    _adamw_kernel[(triton.cdiv(param.numel(), block),)](param, grad, exp_avg, exp_avg_sq, step, lr, grad_scale,
+                                                        found_inf, param.numel(), betas[0], betas[1], eps, weight_decay,
                                                         BLOCK=block, num_warps=num_warps)

@@ -136,13 +136,15 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     ignore_index marking tokens that count for nothing. Gradients flow to hidden and weight. The Triton
     kernels run on CUDA tensors (or when use_kernel=True, e.g. under TRITON_INTERPRET=1); there a weight
     that carries `grad_into` (a compute copy of a master parameter, or a parameter naming itself) gets no
-    gradient through autograd: its gradient is added into grad_into.grad.
+    gradient through autograd: its gradient is added into grad_into.grad. An out-of-range label is a ValueError,
+    except while a CUDA graph is being captured.
     """
     if hidden.shape[0] != labels.shape[0]:
         raise ValueError(f"linear_cross_entropy: {hidden.shape[0]} hidden rows but {labels.shape[0]} labels")
-    # one host sync; unchecked, an out-of-range label reads past its logits row on the GPU
+    # one host sync; unchecked, an out-of-range label reads past its logits row on the GPU. Not while a CUDA graph
+    # is captured, which cannot wait for the host (the app checks its tokenizer against the vocabulary instead)
     outside = (labels != ignore_index) & ((labels < 0) | (labels >= weight.shape[0]))
-    if outside.any():
+    if not (labels.is_cuda and torch.cuda.is_current_stream_capturing()) and outside.any():
         position = outside.nonzero()[0, 0].item()
         raise ValueError(f"linear_cross_entropy: label {labels[position].item()} at position {position} is outside "
                          f"the vocabulary 0..{weight.shape[0] - 1}; valid labels are those and ignore_index={ignore_index}")

@@ -12,12 +12,16 @@ import triton
 import triton.language as tl
 
 
-def sort_by_expert(expert_ids: torch.Tensor, num_experts: int, present: int | None = None):
-    """expert_ids [tokens, top_k] -> (order [slots], inverse [slots], tokens_per_expert [E]).
+def sort_by_expert(expert_ids: torch.Tensor, num_experts: int, present: int | None = None, use_kernel=None):
+    """expert_ids [tokens, top_k] -> (order [slots], inverse [slots], tokens_per_expert [E]): a stable sort, so
+    each expert's slots keep token order.
 
     With `present` (the number of ids >= 0, known to the caller without a device sync), ids of -1 mark
-    absent slots: they are left out of order and get inverse -1, which the gather-sum kernels skip."""
+    absent slots: they are left out of order and get inverse -1, which the gather-sum kernels skip.
+    On CUDA (or with use_kernel) two Triton kernels sort by counting; elsewhere torch's argsort does."""
     flat = expert_ids.flatten()
+    if use_kernel if use_kernel is not None else flat.is_cuda:
+        return _counting_sort(flat, num_experts, flat.numel() if present is None else present)
     if present is None:
         order = torch.argsort(flat, stable=True)
         inverse = torch.empty_like(order)
@@ -27,6 +31,63 @@ def sort_by_expert(expert_ids: torch.Tensor, num_experts: int, present: int | No
     inverse = torch.full_like(flat, -1)
     inverse[order] = torch.arange(present, device=order.device)
     return order, inverse, count_per_expert(flat[order], num_experts)
+
+
+@triton.jit
+def _block_counts_kernel(ids_ptr, counts_ptr, slots, num_experts, BINS: tl.constexpr, BLOCK: tl.constexpr):
+    """counts[b, e]: how many slots of block b (slots b * BLOCK ...) go to expert e; absent ones (-1) and the
+    last block's padding counted under e = num_experts."""
+    block = tl.program_id(0)
+    slot = block * BLOCK + tl.arange(0, BLOCK)
+    ids = tl.load(ids_ptr + slot, mask=slot < slots, other=-1).to(tl.int32)
+    ids = tl.where(ids >= 0, ids, num_experts)
+    tl.store(counts_ptr + block * BINS + tl.arange(0, BINS), tl.histogram(ids, BINS))
+
+
+@triton.jit
+def _place_kernel(ids_ptr, counts_ptr, order_ptr, inverse_ptr, per_expert_ptr, slots, num_experts, blocks,
+                  BINS: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    """Block b's share of a stable counting sort: a slot of expert e lands after every slot of the experts
+    before e, of e in the blocks before b and of e before it in block b."""
+    block = tl.program_id(0)
+    bins = tl.arange(0, BINS)
+    totals = tl.zeros((BINS,), tl.int32)
+    earlier = tl.zeros((BINS,), tl.int32)
+    for first in range(0, blocks, ROWS):
+        rows = first + tl.arange(0, ROWS)
+        counts = tl.load(counts_ptr + rows[:, None] * BINS + bins[None, :], mask=rows[:, None] < blocks, other=0)
+        totals += tl.sum(counts, 0)
+        earlier += tl.sum(tl.where(rows[:, None] < block, counts, 0), 0)
+    own = tl.load(counts_ptr + block * BINS + bins)
+    if block == 0:
+        tl.store(per_expert_ptr + bins, totals.to(tl.int64), mask=bins < num_experts)
+    # after a sort of (expert, slot) keys, this block's slots of expert e sit at cumsum(own)[e] - own[e] onwards
+    start = tl.cumsum(totals, 0) - totals + earlier - (tl.cumsum(own, 0) - own)
+    local = tl.arange(0, BLOCK)
+    ids = tl.load(ids_ptr + block * BLOCK + local, mask=block * BLOCK + local < slots, other=-1).to(tl.int32)
+    keys = tl.sort(tl.where(ids >= 0, ids, num_experts) * BLOCK + local)
+    expert, slot = keys // BLOCK, block * BLOCK + keys % BLOCK
+    position = tl.gather(start, expert, 0) + local
+    placed = expert < num_experts
+    tl.store(order_ptr + position, slot.to(tl.int64), mask=placed)
+    tl.store(inverse_ptr + slot, tl.where(placed, position, -1).to(tl.int64), mask=slot < slots)
+
+
+def _counting_sort(flat: torch.Tensor, num_experts: int, present: int, block: int = 1024):
+    """sort_by_expert in two launches, where torch's argsort path takes about 27 (cub's radix sort alone 22)."""
+    slots, bins = flat.numel(), triton.next_power_of_2(num_experts + 1)
+    blocks = triton.cdiv(slots, block)
+    counts = torch.empty(blocks, bins, dtype=torch.int32, device=flat.device)
+    order = torch.empty(slots, dtype=torch.int64, device=flat.device)
+    inverse = torch.empty_like(order)
+    tokens_per_expert = torch.empty(num_experts, dtype=torch.int64, device=flat.device)
+    if slots:
+        _block_counts_kernel[(blocks,)](flat, counts, slots, num_experts, BINS=bins, BLOCK=block)
+        _place_kernel[(blocks,)](flat, counts, order, inverse, tokens_per_expert, slots, num_experts, blocks,
+                                 BINS=bins, BLOCK=block, ROWS=32)
+    else:
+        tokens_per_expert.zero_()
+    return order[:present], inverse, tokens_per_expert
 
 
 def count_per_expert(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:

@@ -117,9 +117,10 @@ def rotary_tables(cfg: DeepseekV2Config, positions: torch.Tensor, dtype):
     mscale(factor, mscale_all_dim), with DeepSeek's defaults mscale 1 and mscale_all_dim 0 (transformers differs
     only when just one is set)."""
     if cfg.rope_type == "default":
-        return rotary_cos_sin(positions, default_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta), dtype)
+        return rotary_cos_sin(positions, default_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta, positions.device),
+                              dtype)
     inv_freq = yarn_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.factor, cfg.original_max_position_embeddings,
-                             cfg.beta_fast, cfg.beta_slow, cfg.truncate)
+                             cfg.beta_fast, cfg.beta_slow, cfg.truncate, positions.device)
     scale = yarn_mscale(cfg.factor, cfg.mscale) / yarn_mscale(cfg.factor, cfg.mscale_all_dim)
     return rotary_cos_sin(positions, inv_freq, dtype, scale)
 

@@ -251,7 +251,7 @@ class GptOssForCausalLM(CausalLM):
         x = self.model.embed_tokens(input_ids)
         positions = token_positions(input_ids, docs)
         inv_freq = yarn_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_factor, cfg.rope_original_max_position,
-                                 cfg.rope_beta_fast, cfg.rope_beta_slow, truncate=cfg.rope_truncate)
+                                 cfg.rope_beta_fast, cfg.rope_beta_slow, cfg.rope_truncate, positions.device)
         cos, sin = rotary_cos_sin(positions, inv_freq, x.dtype, scale=cfg.rope_attention_factor)
         for layer in self.model.layers:
             x = layer(x, cos, sin, docs)

@@ -46,12 +46,13 @@ def rope_parameters(data: dict) -> dict:
     return params
 
 
-def default_inv_freq(dim: int, theta: float) -> torch.Tensor:
-    return theta ** -(torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+def default_inv_freq(dim: int, theta: float, device=None) -> torch.Tensor:
+    """Made on the device that uses it: a copy from host memory each forward could not be captured in a CUDA graph."""
+    return theta ** -(torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim)
 
 
 def yarn_inv_freq(dim: int, theta: float, factor: float, original_max_position: int, beta_fast: float,
-                  beta_slow: float, truncate: bool) -> torch.Tensor:
+                  beta_slow: float, truncate: bool, device=None) -> torch.Tensor:
     """YaRN: interpolate the low frequencies by `factor`, keep the high ones, blend linearly between the
     dimensions whose wavelengths fit beta_fast and beta_slow times in the original context."""
     def correction_dim(rotations):
@@ -62,8 +63,8 @@ def yarn_inv_freq(dim: int, theta: float, factor: float, original_max_position: 
     low, high = max(low, 0), min(high, dim - 1)
     if high == low:
         high += 0.001  # a ramp of zero width would divide by zero
-    extrapolated = default_inv_freq(dim, theta)
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolated = default_inv_freq(dim, theta, device)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=device) - low) / (high - low)).clamp(0, 1)
     return extrapolated / factor * ramp + extrapolated * (1 - ramp)
 
 
@@ -73,9 +74,8 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 
 def rotary_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype, scale: float = 1.0):
     """cos and sin for the rotate-half layout (each frequency appears twice): [seq, dim] for positions [seq],
-    [batch, 1, seq, dim] (one for all heads) for per-sequence positions [batch, seq]."""
-    # non_blocking: a blocking copy from pageable memory would wait for the GPU to drain every forward
-    angles = positions.float()[..., None] * inv_freq.to(positions.device, non_blocking=True)
+    [batch, 1, seq, dim] (one for all heads) for per-sequence positions [batch, seq]; inv_freq on their device."""
+    angles = positions.float()[..., None] * inv_freq
     angles = torch.cat([angles, angles], dim=-1)
     if positions.dim() == 2:
         angles = angles[:, None]

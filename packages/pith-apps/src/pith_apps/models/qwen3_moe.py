@@ -126,7 +126,8 @@ class Qwen3MoeForCausalLM(CausalLM):
     def hidden_states(self, input_ids, docs=None):
         x = self.model.embed_tokens(input_ids)
         positions = token_positions(input_ids, docs)
-        cos, sin = rotary_cos_sin(positions, default_inv_freq(self.config.head_dim, self.config.rope_theta), x.dtype)
+        inv_freq = default_inv_freq(self.config.head_dim, self.config.rope_theta, positions.device)
+        cos, sin = rotary_cos_sin(positions, inv_freq, x.dtype)
         for layer in self.model.layers:
             x = layer(x, cos, sin, docs)
         return self.model.norm(x)
