@@ -17,6 +17,7 @@ import pith_apps.train as train_app
 from distributed import free_port, run_on_processes
 from pith_apps.data import batch_at
 from pith_engine import checkpoint
+from pith_engine.cuda_graph import CaptureError
 
 # constant LR after warmup: a run resumed with another --steps has the schedule of the uninterrupted one
 QUICK = ["qwen3", "--batch-size", "8", "--seq-len", "32", "--warmup", "2", "--schedule", "constant", "--quiet"]
@@ -187,6 +188,28 @@ def test_a_read_only_out_is_named_in_one_line(tmp_path, capsys):
         read_only.mkdir(mode=0o555)
     assert one_line_error(capsys, read_only) == (
         f"--out {read_only} is not a writable folder (Permission denied); choose another --out")
+
+
+def test_a_step_that_cannot_be_captured_as_a_cuda_graph_ends_in_one_line_naming_the_way_out(tmp_path, capsys,
+                                                                                             monkeypatch):
+    """What StepGraph raises when a capture fails (seen on the GPU: a host sync inside the step) reaches the user as
+    one line: the failing step, the reason and --no-cuda-graph. Here a stand-in graph fails at step 3 as a capture
+    would; the real capture runs in the GPU tests."""
+    def graph_failing_at_step_3(args, parallel, device, model, optimizer):
+        steps = []
+
+        def step(*inputs):
+            steps.append(len(steps) + 1)
+            if len(steps) == 3:
+                raise CaptureError("the step could not be captured as a CUDA graph (operation not permitted when "
+                                   "stream is capturing)")
+            return train_app.gradient_step(args, parallel, model, optimizer, *inputs)
+        return step
+    monkeypatch.setattr(train_app, "step_graph", graph_failing_at_step_3)
+    assert one_line_error(capsys, tmp_path / "out", "--steps", "5") == (
+        "step 3: the step could not be captured as a CUDA graph (operation not permitted when stream is capturing); "
+        "nothing of this step was saved: run again with --no-cuda-graph (and --resume to continue from the last "
+        "checkpoint, or --overwrite to start over)")
 
 
 def start(out, *flags) -> subprocess.Popen:

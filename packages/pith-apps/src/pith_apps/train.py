@@ -27,7 +27,7 @@ from pith_apps.options import (DTYPES, MODELS, check_args, hf_config_data, model
                                run_config_text)
 from pith_apps.run_log import RunLog
 from pith_engine.compile import compile_stages
-from pith_engine.cuda_graph import StepGraph
+from pith_engine.cuda_graph import CaptureError, StepGraph
 from pith_engine.data_parallel import drop_compute_copies, grad_norm, local_part, shard_model
 from pith_engine.moe import update_expert_bias
 from pith_engine.optim import adamw, clipped_step, lr_at
@@ -225,7 +225,11 @@ def train_step(args, parallel: Parallel, device, model, optimizer, number: int, 
     lr = torch.tensor(optimizer.param_groups[0]["lr"], dtype=torch.float32)
     if device.type == "cuda":   # copies that do not wait: a blocking one waits for the GPU to drain
         input_ids, labels, lr = (t.pin_memory().to(device, non_blocking=True) for t in (input_ids, labels, lr))
-    loss, norm = (graph or functools.partial(gradient_step, args, parallel, model, optimizer))(input_ids, labels, lr)
+    try:
+        loss, norm = (graph or functools.partial(gradient_step, args, parallel, model, optimizer))(input_ids, labels, lr)
+    except CaptureError as err:
+        raise ConfigError(f"step {number}: {err}; nothing of this step was saved: run again with --no-cuda-graph "
+                          "(and --resume to continue from the last checkpoint, or --overwrite to start over)") from None
     routing = update_expert_bias(model)
     totals = torch.stack([loss, torch.tensor(float(stop_asked), device=device)])
     if parallel.world > 1:   # one all-reduce: losses add up over data ranks, a stop asked of any rank shows

@@ -10,6 +10,10 @@ whose sizes come from the host (expert parallelism) cannot be captured.
 import torch
 
 
+class CaptureError(RuntimeError):
+    """The step did something a CUDA graph cannot hold (a wait for the host, a copy from pageable memory)."""
+
+
 class StepGraph:
     """step(*tensors) -> tensors, run eagerly for the first `eager_calls` calls (they make what a capture cannot:
     optimizer state, compiled code, library handles), captured on the next and replayed from then on; what it
@@ -36,8 +40,14 @@ class StepGraph:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()   # the eager steps' cached blocks, which the graph's own memory pool cannot reuse
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, stream=self.stream):
-            self.outputs = self.step(*self.inputs)
+        try:
+            with torch.cuda.graph(self.graph, stream=self.stream):
+                self.outputs = self.step(*self.inputs)
+        except RuntimeError as err:   # torch's AcceleratorError is one
+            self.graph = None
+            cause = err.__context__ or err   # ending the capture fails too, after the operation that broke it
+            first_line = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
+            raise CaptureError(f"the step could not be captured as a CUDA graph ({first_line})") from err
 
     def on_own_stream(self, function, *args):
         self.stream.wait_stream(torch.cuda.current_stream())
