@@ -48,12 +48,13 @@ def test_bf16_compute_follows_the_fp32_run_and_keeps_fp32_weights_and_optimizer_
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (the device machine)")
-def test_the_replayed_cuda_graph_step_trains_and_evaluates_as_the_eager_step():
+@pytest.mark.parametrize("model", list(train_app.MODELS))
+def test_the_replayed_cuda_graph_step_trains_and_evaluates_as_the_eager_step(model):
     """On one GPU the app replays its step as a CUDA graph from step 3. train_on's loop (without its TensorBoard
     log), eagerly and through step_graph: the losses of 8 steps under a warmup schedule (the lr changes each step)
     and held-out losses evaluated between replays (the bf16 copies of the weights made afresh) match within 1e-4
     (atomic adds in the embedding's backward)."""
-    args = train_app.parse_args(["qwen3", *QUICK, "--steps", "8", "--warmup", "8", "--eval-batches", "2", "--device",
+    args = train_app.parse_args([model, *QUICK, "--steps", "8", "--warmup", "8", "--eval-batches", "2", "--device",
                                  "cuda"])
     train_app.check_args(args)
     stream = torch.tensor(ByteTokenizer().encode(DEFAULT_CORPUS.read_text()))
@@ -61,20 +62,20 @@ def test_the_replayed_cuda_graph_step_trains_and_evaluates_as_the_eager_step():
     runs = []
     for graphed in (True, False):
         parallel, device = train_app.layout(args)
-        model = train_app.build_model(train_app.MODELS["qwen3"][1], options.model_config(args), parallel, device,
-                                      torch.bfloat16, args.seed, args.seq_len, args.balance, 1)
-        compile_stages(model)
-        optimizer = adamw(model, args.lr, args.weight_decay)
-        graph = train_app.step_graph(args, parallel, device, model, optimizer) if graphed else None
+        net = train_app.build_model(train_app.MODELS[model][1], options.model_config(args), parallel, device,
+                                    torch.bfloat16, args.seed, args.seq_len, args.balance, 1)
+        compile_stages(net)
+        optimizer = adamw(net, args.lr, args.weight_decay)
+        graph = train_app.step_graph(args, parallel, device, net, optimizer) if graphed else None
         losses, evals = [], []
         for step in range(args.steps):
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(step, args.lr, args.warmup, args.steps, args.schedule)
             ids, labels = batch_at(stream, step, args.seed, args.batch_size, args.seq_len)
-            losses.append(train_app.train_step(args, parallel, device, model, optimizer, step + 1, ids, labels, False,
+            losses.append(train_app.train_step(args, parallel, device, net, optimizer, step + 1, ids, labels, False,
                                                graph)[0])
             if step % 3 == 2:
-                evals.append(train_app.evaluate(args, parallel, device, model, held_out))
+                evals.append(train_app.evaluate(args, parallel, device, net, held_out))
         runs.append((losses, evals, graph))
     (graph_losses, graph_evals, graph), (eager_losses, eager_evals, _) = runs
     assert graph.graph is not None and len(graph_evals) == 2   # captured, and evaluated between replays
