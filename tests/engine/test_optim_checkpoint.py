@@ -50,7 +50,7 @@ def test_the_clip_inside_the_fused_step_updates_as_clipping_the_gradients_first(
     assert norm.item() == pytest.approx(math.sqrt(sum((p.grad.double() ** 2).sum().item() for p in first.parameters())))
     for _ in range(2):   # the second step also checks that no scale is left behind on the optimizer
         clipped_step(folded_opt, grad_norm(folded.parameters()), 1.0)
-        assert not any(hasattr(folded_opt, name) for name in ("grad_scale", "found_inf", "lr_on_device"))
+        assert not any(hasattr(folded_opt, name) for name in ("grad_scale", "found_inf"))
         clip_grad_norm(first.parameters(), 1.0)
         first_opt.step()
     for a, b in zip(folded.parameters(), first.parameters()):   # a division where the reference multiplies: 1 ulp
@@ -70,7 +70,7 @@ def test_a_learning_rate_given_as_a_tensor_steps_every_group_as_that_lr_in_the_g
             group["lr"] = lr
         clipped_step(given_opt, grad_norm(given.parameters()), 1.0, torch.tensor(lr))
         clipped_step(grouped_opt, grad_norm(grouped.parameters()), 1.0)
-    assert [group["lr"] for group in given_opt.param_groups] == [0.5, 0.5] and not hasattr(given_opt, "lr_on_device")
+    assert [group["lr"] for group in given_opt.param_groups] == [0.5, 0.5]
     for a, b in zip(given.parameters(), grouped.parameters()):
         assert torch.allclose(a, b, rtol=0, atol=1e-7)
     assert not torch.allclose(given[0].weight, two_linears(1.0)[0].weight, rtol=0, atol=1e-3)   # it moved

@@ -1,9 +1,9 @@
 """torch.compile of the dense stages of every decoder layer.
 
 An MoE layer's stage 1 (attention_stage: norms, attention, router) is compiled; its experts and the
-dispatch / combine between them stay eager, because their shapes depend on the routing. Stage 5
-(aggregate_stage: a residual add, or DeepSeek's shared experts too) runs eagerly too: a compiled call cost the host 0.22 ms
-for Qwen3's one add kernel on the H200, where the forward left the GPU waiting for the host (bench/RESULTS.md).
+dispatch / combine between them stay eager, because their shapes depend on the routing. Stage 5 (aggregate_stage:
+a residual add, or DeepSeek's shared experts too) runs eagerly too: a compiled call cost the host 0.22 ms for
+Qwen3's one add kernel on the H200, where the forward left the GPU waiting for the host (bench/RESULTS.md).
 A dense layer (is_moe False) is compiled whole. fullgraph=True makes a graph break an error
 instead of a silent slowdown; dynamic=False because sequence length and batch are fixed in training.
 Layers of one family share their compiled code: parameters are graph inputs, not constants.

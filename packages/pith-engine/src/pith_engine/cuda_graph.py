@@ -27,7 +27,7 @@ class StepGraph:
     def __call__(self, *inputs: torch.Tensor):
         self.calls += 1
         if self.calls <= self.eager_calls:
-            return self.on_own_stream(self.step, *inputs)
+            return self.eagerly(*inputs)
         if self.graph is None:
             self.capture(inputs)
         for captured, given in zip(self.inputs, inputs):
@@ -49,9 +49,9 @@ class StepGraph:
             first_line = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
             raise CaptureError(f"the step could not be captured as a CUDA graph ({first_line})") from err
 
-    def on_own_stream(self, function, *args):
+    def eagerly(self, *inputs):
         self.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.stream):
-            result = function(*args)
+            result = self.step(*inputs)
         torch.cuda.current_stream().wait_stream(self.stream)
         return result

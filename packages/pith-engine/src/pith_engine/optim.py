@@ -32,7 +32,7 @@ class AdamW(torch.optim.AdamW):
     (4 layers, 3.1 B parameters) the update took 11.9 ms in bf16 and 23.1 in fp32, where torch's fused
     AdamW took 19 and 25 (bench/RESULTS.md). grad_scale and found_inf set as attributes (clipped_step) act
     as in torch's: each gradient divided by the scale, the update and the step count skipped where found_inf
-    is nonzero; lr_on_device (a 0-dim tensor) replaces every group's lr, read on the GPU."""
+    is nonzero. A group's lr may be a 0-dim tensor, as in torch's: the kernel reads it on the GPU."""
 
     def __init__(self, params, use_kernel: bool | None = None, **options):
         super().__init__(params, fused=True, **options)
@@ -45,16 +45,15 @@ class AdamW(torch.optim.AdamW):
             with torch.enable_grad():
                 loss = closure()
         with_grads = [(p, group) for group in self.param_groups for p in group["params"] if p.grad is not None]
-        lr_on_device = getattr(self, "lr_on_device", None)
         if not with_grads or not (with_grads[0][0].is_cuda if self.use_kernel is None else self.use_kernel):
-            self.torch_step(lr_on_device)
+            super().step()
             return loss
         device = with_grads[0][0].device
         grad_scale = getattr(self, "grad_scale", None)
         grad_scale = torch.ones((), device=device) if grad_scale is None else grad_scale
         found_inf = getattr(self, "found_inf", None)
         found_inf = torch.zeros((), device=device) if found_inf is None else found_inf
-        lrs = {id(group): torch.full((), group["lr"], device=device) if lr_on_device is None else lr_on_device
+        lrs = {id(group): group["lr"] if torch.is_tensor(group["lr"]) else torch.full((), group["lr"], device=device)
                for group in self.param_groups}
         states = [self.state_of(p) for p, _ in with_grads]
         steps = [state["step"] for state in states]
@@ -64,20 +63,6 @@ class AdamW(torch.optim.AdamW):
             adamw_update(*(local_part(t) for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"])), state["step"],
                          lrs[id(group)], group["betas"], group["eps"], group["weight_decay"], grad_scale, found_inf)
         return loss
-
-    def torch_step(self, lr_on_device):
-        """torch's fused step (CPU, or use_kernel=False), with lr_on_device in every group for its duration."""
-        if lr_on_device is None:
-            super().step()
-            return
-        lrs = [group["lr"] for group in self.param_groups]
-        for group in self.param_groups:
-            group["lr"] = lr_on_device
-        try:
-            super().step()
-        finally:
-            for group, lr in zip(self.param_groups, lrs):
-                group["lr"] = lr
 
     def state_of(self, param: torch.Tensor) -> dict:
         """The parameter's state, made as torch's fused AdamW makes it on the first step."""
@@ -104,13 +89,17 @@ def clipped_step(optimizer: torch.optim.Optimizer, norm: torch.Tensor, max_norm:
     optimizer divides each gradient by the scale as it reads it (grad_scale) and skips on a device flag
     (found_inf): scaling first would read and write every gradient once more, and deciding to skip on the
     host would wait for the GPU to finish the backward. lr: a 0-dim tensor on the parameters' device, every
-    group's learning rate for this step (None: each group's own)."""
+    group's learning rate for this step (None: each group's own); the groups get their own back after it."""
     if not optimizer.defaults.get("fused"):
         raise TypeError(f"clipped_step takes a fused torch optimizer (as adamw() makes), not {optimizer!r}")
     optimizer.grad_scale = torch.clamp((norm + 1e-6) / max_norm, min=1.0)
     optimizer.found_inf = (~torch.isfinite(norm)).float()
-    optimizer.lr_on_device = lr
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups if lr is not None else ():
+        group["lr"] = lr
     try:
         optimizer.step()
     finally:
-        del optimizer.grad_scale, optimizer.found_inf, optimizer.lr_on_device
+        del optimizer.grad_scale, optimizer.found_inf
+        for group, own in zip(optimizer.param_groups, lrs):
+            group["lr"] = own
