@@ -82,6 +82,43 @@ def test_the_replayed_cuda_graph_step_trains_and_evaluates_as_the_eager_step(mod
     assert graph_losses == pytest.approx(eager_losses, rel=1e-4) and graph_evals == pytest.approx(eager_evals, rel=1e-4)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the weight-gradient kernel adds into .grad on CUDA")
+@pytest.mark.parametrize("model", list(train_app.MODELS))
+def test_paired_expert_weight_gradients_sum_as_one_micro_batch_at_a_time(model, monkeypatch):
+    """3 micro-batches a step: the app's step adds the first two micro-batches' expert weight gradients in one
+    kernel pass and the third's alone (WgradPairs), one paired and one lone pass per expert weight. The
+    gradients the optimizer then steps on match those of adding each micro-batch alone within 1e-6 (the same
+    fp32 sums in another order)."""
+    import pith_ops.grouped_gemm as grouped_gemm
+    passes, add = [], grouped_gemm.add_wgrad_into
+    monkeypatch.setattr(grouped_gemm, "add_wgrad_into", lambda *a, paired=None: (passes.append(paired is not None),
+                                                                                 add(*a, paired=paired)))
+    args = train_app.parse_args([model, *QUICK, "--steps", "1", "--batch-size", "3", "--micro-batch-size", "1",
+                                 "--device", "cuda", "--no-cuda-graph"])
+    train_app.check_args(args)
+    ids, labels = batch_at(torch.tensor(ByteTokenizer().encode(DEFAULT_CORPUS.read_text())), 0, args.seed,
+                           args.batch_size, args.seq_len)
+    grads = []
+    for paired in (True, False):
+        parallel, device = train_app.layout(args)
+        net = train_app.build_model(train_app.MODELS[model][1], options.model_config(args), parallel, device,
+                                    torch.bfloat16, args.seed, args.seq_len, args.balance, 3)
+        experts = [layer.mlp.experts for layer in net.model.layers if layer.is_moe]
+        assert all(e.wgrad_pairs is net.wgrad_pairs is not None for e in experts)
+        if not paired:
+            for module in (net, *experts):
+                module.wgrad_pairs = None
+        optimizer = adamw(net, args.lr, args.weight_decay)
+        optimizer.register_step_pre_hook(lambda opt, *_: grads.append({n: p.grad.clone() for n, p in
+                                                                       net.named_parameters()}))
+        passes.clear()
+        train_app.train_step(args, parallel, device, net, optimizer, 1, ids, labels, False)
+        weights = 2 * len(experts)
+        assert passes == ([True] * weights + [False] * weights if paired else [False] * 3 * weights)
+    for name, grad in grads[0].items():
+        assert relative_error(grad, grads[1][name]) < 1e-6, name
+
+
 def test_resume_after_a_crash_repeats_the_uninterrupted_run_exactly(tmp_path, monkeypatch):
     args = ["qwen3", *QUICK, "--steps", "30", "--save-every", "10"]
     straight = train_app.train(train_app.parse_args([*args, "--out", str(tmp_path / "a")]))

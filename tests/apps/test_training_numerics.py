@@ -16,7 +16,7 @@ from pith_engine.data_parallel import add_grads_in_kernels, embedding, shard_mod
 from pith_engine.moe import LoadBalance, update_expert_bias
 from pith_engine.optim import adamw
 from pith_engine.parallel import Parallel
-from pith_ops.grouped_gemm import grouped_linear
+from pith_ops.grouped_gemm import WgradPairs, grouped_linear
 
 BATCH, SEQ = 4, 16
 
@@ -98,6 +98,9 @@ def test_the_app_step_drops_the_bf16_copies_before_its_last_backward():
     parallel, device = layout(args)
     model = build_model(MODELS["qwen3"][1], model_config(args), parallel, device, torch.bfloat16, 0, SEQ,
                         micro_batches=2)
+    # one process, several micro-batches: the experts pair their weight gradients through the step's WgradPairs
+    assert all(layer.mlp.experts.wgrad_pairs is model.wgrad_pairs is not None for layer in model.model.layers
+               if layer.is_moe)
     kept, freed = [], []   # copies kept during each micro-batch's backward; copies alive after the step
     model.model.norm.register_full_backward_pre_hook(lambda module, grad: kept.append(len(model.compute_casts.copies)))
     model.register_forward_hook(lambda module, args, out: freed.extend(
@@ -112,22 +115,25 @@ class Experts(torch.nn.Module):
     def __init__(self, experts, out, inp):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.randn(experts, out, inp, device=KERNEL_DEVICE))
+        self.wgrad_pairs = None
 
     def forward(self, x, tokens_per_expert):
-        return grouped_linear(x, self.weight, tokens_per_expert, use_triton=True)
+        return grouped_linear(x, self.weight, tokens_per_expert, wgrad_pairs=self.wgrad_pairs, use_triton=True)
 
 
-def three_micro_batches(experts) -> torch.Tensor:
-    """Backward of 3 micro-batches through the experts; returns the float64 sum of their weight gradients."""
+def three_micro_batches(experts, after_each=lambda index, expected: None) -> torch.Tensor:
+    """Backward of 3 micro-batches through the experts; returns the float64 sum of their weight gradients.
+    after_each(index, sum so far) runs after each micro-batch's backward."""
     torch.manual_seed(3)
     counts = torch.tensor([17, 0, 70, 1], device=KERNEL_DEVICE)   # an idle expert; 70 rows: two row blocks
     expected = torch.zeros(4, 130, 24, dtype=torch.float64)
-    for _ in range(3):
+    for index in range(3):
         x = torch.randn(88, 24, device=KERNEL_DEVICE).bfloat16()
         grad = torch.randn(88, 130, device=KERNEL_DEVICE).bfloat16()
         experts(x, counts).backward(grad)
         for e, rows in enumerate(torch.split(torch.arange(88), counts.tolist())):
             expected[e] += grad[rows].double().T @ x[rows].double()
+        after_each(index, expected)
     return expected
 
 
@@ -154,6 +160,25 @@ def test_a_bf16_model_adds_each_micro_batch_expert_weight_gradient_into_its_grad
     # a rounding to bf16 is at most 2^-9 (2e-3) relative: three stay below 1e-2; a doubled gradient would be off by 1
     assert relative_error(experts.weight.grad, expected) < 1e-2
     assert torch.equal(experts.weight.grad[1], torch.zeros(130, 24, dtype=torch.bfloat16, device=KERNEL_DEVICE))
+
+
+def test_paired_micro_batches_add_their_expert_weight_gradients_into_the_master_gradient_in_one_pass():
+    """WgradPairs: the first micro-batch's weight gradient waits (nothing in .grad yet), the second's backward
+    adds both in one pass of the kernel, the third waits until flush; the sum is the same fp32 sum as one
+    micro-batch at a time."""
+    experts = shard_model(Experts(4, 130, 24), Parallel(), param_dtype=torch.bfloat16)
+    experts.wgrad_pairs = pairs = WgradPairs()
+    seen = []
+
+    def after_each(index, expected):
+        grad = experts.weight.grad
+        seen.append((len(pairs.waiting), None if grad is None else relative_error(grad, expected)))
+    expected = three_micro_batches(experts, after_each)
+    assert seen[0] == (1, None) and seen[1][0] == 0 and seen[2][0] == 1
+    assert seen[1][1] < 1e-6   # the pair's sum, in .grad after the second micro-batch
+    pairs.flush()
+    assert not pairs.waiting and relative_error(experts.weight.grad, expected) < 1e-6
+    assert torch.equal(experts.weight.grad[1], torch.zeros(130, 24, device=KERNEL_DEVICE))
 
 
 class Lookup(torch.nn.Module):

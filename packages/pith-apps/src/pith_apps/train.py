@@ -28,7 +28,7 @@ from pith_apps.options import (DTYPES, MODELS, check_args, hf_config_data, model
 from pith_apps.run_log import RunLog
 from pith_engine.compile import compile_stages
 from pith_engine.cuda_graph import CaptureError, StepGraph
-from pith_engine.data_parallel import drop_compute_copies, grad_norm, local_part, shard_model
+from pith_engine.data_parallel import drop_compute_copies, grad_norm, local_part, pair_expert_wgrads, shard_model
 from pith_engine.moe import update_expert_bias
 from pith_engine.optim import adamw, clipped_step, lr_at
 from pith_engine.parallel import LayoutError, Parallel
@@ -123,6 +123,8 @@ def build_model(model_cls, cfg, parallel: Parallel, device: torch.device, dtype:
     require(moe_layers, f"all {cfg.num_hidden_layers} layers of the model are dense, none MoE; raise --layers")
     parallel.check_model(cfg.num_hidden_layers, moe_layers[0].num_experts, cfg.num_attention_heads, seq_len)
     shard_model(model, parallel, param_dtype=dtype)
+    if parallel.world == 1 and micro_batches > 1:
+        pair_expert_wgrads(model)
     model.to_empty(device=device)
     model.init_weights(seed)
     return model
@@ -264,6 +266,8 @@ def gradient_step(args, parallel: Parallel, model, optimizer, input_ids, labels,
             drop_compute_copies(model)   # the backward below frees each bf16 copy once its layer is done
         micro_loss.backward()
         loss += micro_loss.detach()
+    if model.wgrad_pairs is not None:
+        model.wgrad_pairs.flush()   # an odd micro-batch's expert weight gradients still wait for their pair
     norm = grad_norm(model.parameters())
     clipped_step(optimizer, norm, args.clip, lr)
     optimizer.zero_grad(set_to_none=True)

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from pith_engine.parallel import Parallel
+from pith_ops.grouped_gemm import WgradPairs
 
 
 def shard_model(model: torch.nn.Module, parallel: Parallel, param_dtype: torch.dtype | None = None) -> torch.nn.Module:
@@ -100,6 +101,17 @@ def add_grads_in_kernels(model: torch.nn.Module):
     micro-batch's gradient and then add it, one more write and two more reads of it."""
     for param in model.parameters():
         param.grad_into = param
+
+
+def pair_expert_wgrads(model: torch.nn.Module) -> WgradPairs:
+    """For a one-process model that takes several micro-batches per step: its experts' weight-gradient kernel,
+    where it adds into .grad itself (`grad_into`, on CUDA), runs once per two micro-batches (WgradPairs, kept
+    as model.wgrad_pairs, which the step flushes after its last backward)."""
+    pairs = model.wgrad_pairs = WgradPairs()
+    for layer in model.model.layers:
+        if layer.is_moe:
+            layer.mlp.experts.wgrad_pairs = pairs
+    return pairs
 
 
 def drop_compute_copies(model: torch.nn.Module):

@@ -49,22 +49,11 @@ def _grouped_rows_kernel(a_ptr, b_ptr, out_ptr, offs_ptr, tile_expert_ptr, tile_
 
 
 @triton.jit
-def _grouped_wgrad_kernel(g_ptr, x_ptr, out_ptr, offs_ptr, n_out, n_in, ACCUMULATE: tl.constexpr,
-                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, UPCAST: tl.constexpr,
-                          PRECISION: tl.constexpr):
-    """out[e] (+)= g[rows of e].T @ x[rows of e]: [n_out, n_in] per expert. Without ACCUMULATE an expert
-    without rows gets zeros; with it, its tiles are neither read nor written. The fp32 sum of the tile is
-    added to out in out's dtype (fp32 for master gradients), so no bf16 gradient is ever written."""
-    tiles_out, tiles_in = tl.cdiv(n_out, BM), tl.cdiv(n_in, BN)
-    tile = tl.program_id(0)
-    expert = tile // (tiles_out * tiles_in)   # the slowest index: one expert's tiles share its rows in L2
+def _add_expert_rows(acc, g_ptr, x_ptr, offs_ptr, expert, outs, ins, n_out, n_in, BK: tl.constexpr,
+                     UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """acc + g[rows of expert, outs].T @ x[rows of expert, ins]."""
     row_end = tl.load(offs_ptr + expert)
     row_start = tl.load(offs_ptr + expert - 1, mask=expert > 0, other=0)
-    if ACCUMULATE and row_end == row_start:
-        return
-    outs = (tile // tiles_in) % tiles_out * BM + tl.arange(0, BM)
-    ins = tile % tiles_in * BN + tl.arange(0, BN)
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
     for r0 in range(row_start, row_end, BK):
         rows = r0 + tl.arange(0, BK)
         g = tl.load(g_ptr + rows[:, None].to(tl.int64) * n_out + outs[None, :],
@@ -74,6 +63,32 @@ def _grouped_wgrad_kernel(g_ptr, x_ptr, out_ptr, offs_ptr, n_out, n_in, ACCUMULA
         if UPCAST:
             g, x = g.to(tl.float32), x.to(tl.float32)
         acc = tl.dot(tl.trans(g), x, acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
+def _grouped_wgrad_kernel(g_ptr, x_ptr, offs_ptr, g2_ptr, x2_ptr, offs2_ptr, out_ptr, n_out, n_in,
+                          ACCUMULATE: tl.constexpr, PAIRED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                          BK: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """out[e] (+)= g[rows of e].T @ x[rows of e]: [n_out, n_in] per expert; PAIRED: plus the same over g2, x2,
+    offs2 (a second micro-batch), in the same fp32 sum. Without ACCUMULATE an expert without rows gets zeros;
+    with it, its tiles are neither read nor written. The fp32 sum of the tile is added to out in out's dtype
+    (fp32 for master gradients), so no bf16 gradient is ever written."""
+    tiles_out, tiles_in = tl.cdiv(n_out, BM), tl.cdiv(n_in, BN)
+    tile = tl.program_id(0)
+    expert = tile // (tiles_out * tiles_in)   # the slowest index: one expert's tiles share its rows in L2
+    rows = tl.load(offs_ptr + expert) - tl.load(offs_ptr + expert - 1, mask=expert > 0, other=0)
+    if PAIRED:
+        rows += tl.load(offs2_ptr + expert) - tl.load(offs2_ptr + expert - 1, mask=expert > 0, other=0)
+    if ACCUMULATE and rows == 0:
+        return
+    outs = (tile // tiles_in) % tiles_out * BM + tl.arange(0, BM)
+    ins = tile % tiles_in * BN + tl.arange(0, BN)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    acc = _add_expert_rows(acc, g_ptr, x_ptr, offs_ptr, expert, outs, ins, n_out, n_in, BK, UPCAST, PRECISION)
+    if PAIRED:
+        acc = _add_expert_rows(acc, g2_ptr, x2_ptr, offs2_ptr, expert, outs, ins, n_out, n_in, BK, UPCAST,
+                               PRECISION)
     out = out_ptr + expert.to(tl.int64) * n_out * n_in + outs[:, None] * n_in + ins[None, :]
     inside = (outs[:, None] < n_out) & (ins[None, :] < n_in)
     if ACCUMULATE:
@@ -108,9 +123,11 @@ def _triton_rows(a, b, offs, n_cols, transpose_b: bool):
     return out
 
 
-def _triton_wgrad(grad_out, x, offs, out, accumulate, blocks=(BLOCK_M, BLOCK_N, BLOCK_K), **launch):
+def _triton_wgrad(grad_out, x, offs, out, accumulate, blocks=(BLOCK_M, BLOCK_N, BLOCK_K), paired=None, **launch):
+    """paired: (grad_out, x, offs) of a second micro-batch, summed into the same pass."""
     tiles = triton.cdiv(grad_out.shape[1], blocks[0]) * triton.cdiv(x.shape[1], blocks[1])
-    _grouped_wgrad_kernel[(out.shape[0] * tiles,)](grad_out, x, out, offs, grad_out.shape[1], x.shape[1], accumulate,
+    _grouped_wgrad_kernel[(out.shape[0] * tiles,)](grad_out, x, offs, *(paired or (grad_out, x, offs)), out,
+                                                   grad_out.shape[1], x.shape[1], accumulate, paired is not None,
                                                    *blocks, UPCAST=UPCAST, PRECISION=_precision(x), **launch)
     return out
 
@@ -140,23 +157,47 @@ def grouped_wgrad(grad_out, x, offs, use_triton=None):
     return _triton_wgrad(grad_out.contiguous(), x.contiguous(), offs, out, False)
 
 
-def add_wgrad_into(param, grad_out, x, offs):
+def add_wgrad_into(param, grad_out, x, offs, paired=None):
     """param.grad (+)= the weight gradient, summed in fp32 by the Triton kernel and added in param.grad's dtype:
     an fp32 master gradient gets no bf16 rounding per micro-batch, and no bf16 gradient is written and
-    re-read. 128 x 128 x 64 tiles, 4 warps, 3 stages: of 8 tile shapes on the H200, the fastest at 5 of the 6
+    re-read. paired: (grad_out, x, offs) of another micro-batch, added in the same pass (WgradPairs).
+    128 x 128 x 64 tiles, 4 warps, 3 stages: of 8 tile shapes on the H200, the fastest at 5 of the 6
     expert shapes measured and within 1% at the sixth (bench/RESULTS.md)."""
     first = param.grad is None
     if first:
         param.grad = torch.empty_like(param)
-    _triton_wgrad(grad_out, x.contiguous(), offs, param.grad, not first, blocks=(128, 128, 64), num_warps=4,
-                  num_stages=3)
+    _triton_wgrad(grad_out, x.contiguous(), offs, param.grad, not first, blocks=(128, 128, 64),
+                  paired=paired and (paired[0], paired[1].contiguous(), paired[2]), num_warps=4, num_stages=3)
+
+
+class WgradPairs:
+    """Expert weight gradients two micro-batches at a time. The kernel that adds a micro-batch's gradient into
+    .grad is bound by reading and writing the whole gradient (bench/RESULTS.md); so the backward of one
+    micro-batch hands its inputs here (`add`) and the next micro-batch's backward adds both in one pass,
+    which halves that traffic. The cost: one micro-batch's expert inputs and output gradients stay alive
+    until its pair comes. A step calls `flush` before it reads any gradient (an odd micro-batch waits)."""
+
+    def __init__(self):
+        self.waiting = {}
+
+    def add(self, into, grad_out, x, offs):
+        held = self.waiting.pop(id(into), None)
+        if held is None:
+            self.waiting[id(into)] = (into, grad_out, x, offs)
+        else:
+            add_wgrad_into(into, grad_out, x, offs, paired=held[1:])
+
+    def flush(self):
+        for into, *inputs in self.waiting.values():
+            add_wgrad_into(into, *inputs)
+        self.waiting.clear()
 
 
 class _GroupedLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, offs, wgrad_queue, use_triton):
+    def forward(ctx, x, weight, offs, wgrad_queue, wgrad_pairs, use_triton):
         ctx.save_for_backward(x, weight, offs)
-        ctx.wgrad_queue, ctx.use_triton = wgrad_queue, use_triton
+        ctx.wgrad_queue, ctx.wgrad_pairs, ctx.use_triton = wgrad_queue, wgrad_pairs, use_triton
         ctx.grad_into = getattr(weight, "grad_into", None)
         return grouped_forward(x, weight, offs, use_triton)
 
@@ -166,15 +207,17 @@ class _GroupedLinear(torch.autograd.Function):
         grad_out = grad_out.contiguous()
         grad_x = grouped_dgrad(grad_out, weight, offs, ctx.use_triton) if ctx.needs_input_grad[0] else None
         if not ctx.needs_input_grad[1]:
-            return grad_x, None, None, None, None
+            return grad_x, None, None, None, None, None
         triton_here = x.is_cuda if ctx.use_triton is None else ctx.use_triton
         into = ctx.grad_into if triton_here else None
         if ctx.wgrad_queue is None and into is None:
-            return grad_x, grouped_wgrad(grad_out, x, offs, ctx.use_triton), None, None, None
-        use_triton = ctx.use_triton
+            return grad_x, grouped_wgrad(grad_out, x, offs, ctx.use_triton), None, None, None, None
+        use_triton, pairs = ctx.use_triton, ctx.wgrad_pairs
 
         def accumulate_wgrad():
-            if into is not None:
+            if into is not None and pairs is not None:
+                pairs.add(into, grad_out, x, offs)
+            elif into is not None:
                 add_wgrad_into(into, grad_out, x, offs)
             else:
                 grad_w = grouped_wgrad(grad_out, x, offs, use_triton)
@@ -183,11 +226,12 @@ class _GroupedLinear(torch.autograd.Function):
             accumulate_wgrad()
         else:
             ctx.wgrad_queue.append(accumulate_wgrad)
-        return grad_x, None, None, None, None
+        return grad_x, None, None, None, None, None
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.Tensor,
-                   wgrad_queue: list | None = None, use_triton: bool | None = None) -> torch.Tensor:
+                   wgrad_queue: list | None = None, wgrad_pairs: WgradPairs | None = None,
+                   use_triton: bool | None = None) -> torch.Tensor:
     """x [tokens, in] sorted by expert, weight [experts, out, in] (nn.Linear layout) -> [tokens, out].
 
     wgrad_queue: if given, the weight gradient is not returned by backward but queued as a closure that
@@ -195,10 +239,10 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: tor
     A weight that carries `grad_into` (a compute copy of a master parameter, as ComputeCasts makes) gets
     no gradient through autograd: where the Triton kernels run (CUDA unless use_triton=False, or
     use_triton=True) the weight-gradient kernel adds it straight into grad_into.grad (add_wgrad_into);
-    elsewhere it is returned as usual.
+    elsewhere it is returned as usual; given `wgrad_pairs`, that kernel runs once per two micro-batches.
     """
     offs = torch.cumsum(tokens_per_expert, 0, dtype=torch.int32)
-    return _GroupedLinear.apply(x, weight, offs, wgrad_queue, use_triton)
+    return _GroupedLinear.apply(x, weight, offs, wgrad_queue, wgrad_pairs, use_triton)
 
 
 @triton.jit
