@@ -16,6 +16,7 @@ from pith_apps.config import ConfigError, flops_per_token
 from pith_apps.data import (DEFAULT_CORPUS, ByteTokenizer, HFTokenizer, batch_at, document_ids, held_out_batch,
                              split_held_out, token_store)
 from pith_engine.compile import compile_stages
+from pith_engine.contract import moe_layers
 from pith_engine.optim import adamw, lr_at
 
 QUICK = ["--steps", "60", "--batch-size", "8", "--seq-len", "64", "--warmup", "10", "--quiet"]
@@ -103,7 +104,7 @@ def test_paired_expert_weight_gradients_sum_as_one_micro_batch_at_a_time(model, 
         parallel, device = train_app.layout(args)
         net = train_app.build_model(train_app.MODELS[model][1], options.model_config(args), parallel, device,
                                     torch.bfloat16, args.seed, args.seq_len, args.balance, 3)
-        experts = [layer.mlp.experts for layer in net.model.layers if layer.is_moe]
+        experts = [layer.experts for layer in moe_layers(net)]
         assert all(e.wgrad_pairs is net.wgrad_pairs is not None for e in experts)
         if not paired:
             for module in (net, *experts):

@@ -8,9 +8,9 @@ from pith_engine.moe import LoadBalance, Routing, attach_aux_loss, combine, disp
 
 
 class ScaleExperts(torch.nn.Module):
-    """A minimal five-stage layer: expert e multiplies its tokens by (e + 1)."""
-    num_experts = 4
-    mlp = SimpleNamespace(experts=SimpleNamespace(ep_group=None))   # all experts on this process
+    """A minimal five-stage layer (a pith_engine.contract.MoeLayer): expert e multiplies its tokens by (e + 1)."""
+    is_moe, num_experts = True, 4
+    experts = SimpleNamespace(local_experts=4, first_expert=0, ep_group=None, wgrad_pairs=None)   # all here
 
     def attention_stage(self, x):
         tokens = x.flatten(0, 1)

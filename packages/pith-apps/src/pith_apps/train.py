@@ -27,6 +27,7 @@ from pith_apps.options import (DTYPES, MODELS, check_args, hf_config_data, model
                                run_config_text)
 from pith_apps.run_log import RunLog
 from pith_engine.compile import compile_stages
+from pith_engine.contract import check_model, moe_layers
 from pith_engine.cuda_graph import CaptureError, StepGraph
 from pith_engine.data_parallel import drop_compute_copies, grad_norm, local_part, pair_expert_wgrads, shard_model
 from pith_engine.moe import update_expert_bias
@@ -119,9 +120,10 @@ def build_model(model_cls, cfg, parallel: Parallel, device: torch.device, dtype:
     a rank allocates only what it holds (plus one full tensor at a time while drawing it), nothing on the host."""
     with torch.device("meta"):
         model = model_cls(cfg, parallel, **({"balance": balance} if balance else {}), micro_batches=micro_batches)
-    moe_layers = [layer for layer in model.model.layers if layer.is_moe]
-    require(moe_layers, f"all {cfg.num_hidden_layers} layers of the model are dense, none MoE; raise --layers")
-    parallel.check_model(cfg.num_hidden_layers, moe_layers[0].num_experts, cfg.num_attention_heads, seq_len)
+    check_model(model)
+    moe = moe_layers(model)
+    require(moe, f"all {cfg.num_hidden_layers} layers of the model are dense, none MoE; raise --layers")
+    parallel.check_model(cfg.num_hidden_layers, moe[0].num_experts, cfg.num_attention_heads, seq_len)
     shard_model(model, parallel, param_dtype=dtype)
     if parallel.world == 1 and micro_batches > 1:
         pair_expert_wgrads(model)

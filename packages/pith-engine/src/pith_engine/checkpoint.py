@@ -34,6 +34,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor, Shard
 
+from pith_engine.contract import MoeModel, expert_stacks
+
 KEEP = 2   # most recently saved checkpoints of a run kept; older ones are deleted after a successful save
 STEP_FOLDER = re.compile(r"step-\d{8}")
 
@@ -54,14 +56,15 @@ def expert_entry(stack: torch.Tensor, e: int) -> torch.Tensor:
                               stride=stride)
 
 
-def canonical_entries(model: torch.nn.Module, tensors: dict[str, torch.Tensor]):
+def canonical_entries(model: MoeModel, tensors: dict[str, torch.Tensor]):
     """(canonical name, tensor) for tensors keyed by parameter name, expert stacks split per expert."""
+    stacks = expert_stacks(model)
     for name, tensor in tensors.items():
-        if ".mlp.experts." not in name:
+        prefix, _, leaf = name.rpartition(".")
+        experts = stacks.get(prefix)
+        if experts is None:
             yield name, tensor
             continue
-        prefix, leaf = name.rsplit(".", 1)
-        experts = model.get_submodule(prefix)
         for e in range(experts.local_experts):
             yield f"{prefix}.{experts.first_expert + e}.{leaf}", expert_entry(tensor, e)
 
@@ -76,14 +79,14 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer):
                                               exp_avg=torch.zeros_like(param), exp_avg_sq=torch.zeros_like(param))
 
 
-def weights_state(model) -> dict[str, torch.Tensor]:
+def weights_state(model: MoeModel) -> dict[str, torch.Tensor]:
     """The model's entries: its parameters (experts one by one) and aux-free expert biases, aliasing them."""
     state = dict(canonical_entries(model, dict(model.named_parameters())))
     state.update((name, buffer) for name, buffer in model.named_buffers() if name.endswith("expert_bias"))
     return state
 
 
-def training_state(model, optimizer) -> dict[str, torch.Tensor]:
+def training_state(model: MoeModel, optimizer) -> dict[str, torch.Tensor]:
     """Everything a resume needs, as DCP entries aliasing the live tensors (a load fills them in place)."""
     init_optimizer_state(optimizer)
     params = dict(model.named_parameters())
@@ -115,7 +118,7 @@ def barrier():
         dist.barrier()
 
 
-def save(directory: str | Path, step: int, model, optimizer, meta: dict) -> Path:
+def save(directory: str | Path, step: int, model: MoeModel, optimizer, meta: dict) -> Path:
     """Write step-<step>/ under directory (all ranks call this); meta (JSON, with "run": the lineage to prune
     within) goes into meta.json with the step, the time and the files' checksums."""
     directory = Path(directory)
@@ -244,7 +247,7 @@ def newest_good(directory: str | Path, skip: Path | None = None) -> Path | None:
     return next((path for path, _ in reversed(saved_checkpoints(directory)) if path != skip and damage(path) is None), None)
 
 
-def load(checkpoint: str | Path, model, optimizer) -> dict:
+def load(checkpoint: str | Path, model: MoeModel, optimizer) -> dict:
     """Fill model, optimizer and RNG from a checkpoint saved under any layout, after checking its files (the
     ranks split them); returns its meta. CheckpointError when it is damaged or of another model."""
     state = training_state(model, optimizer)
@@ -257,7 +260,7 @@ def load(checkpoint: str | Path, model, optimizer) -> dict:
     return read_meta(checkpoint)
 
 
-def load_weights(checkpoint: str | Path, model, alone: bool = False) -> dict:
+def load_weights(checkpoint: str | Path, model: MoeModel, alone: bool = False) -> dict:
     """Fill only the model (weights, expert biases) from a training checkpoint or one save_weights wrote, under
     any layout; returns its meta. alone: this process by itself while the others of its group wait (no
     collective), e.g. rank 0 converting a checkpoint for export."""
@@ -285,7 +288,7 @@ def read_checked(checkpoint: str | Path, state: dict, alone: bool = False):
         dcp.load(state, checkpoint_id=Path(checkpoint), no_dist=alone)
 
 
-def save_weights(folder: str | Path, model, meta: dict) -> Path:
+def save_weights(folder: str | Path, model: MoeModel, meta: dict) -> Path:
     """A one-process model's weights (no optimizer state) as a checkpoint folder that load_weights reads under any
     layout, written by this process alone (others of its group may wait) and renamed into place whole."""
     folder = Path(folder)

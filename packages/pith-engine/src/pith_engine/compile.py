@@ -10,10 +10,12 @@ Layers of one family share their compiled code: parameters are graph inputs, not
 """
 import torch
 
+from pith_engine.contract import MoeModel
 
-def compile_stages(model: torch.nn.Module) -> torch.nn.Module:
-    """Compile, in place, the dense stages of model.model.layers; returns the model."""
-    for layer in model.model.layers:
+
+def compile_stages(model: MoeModel) -> MoeModel:
+    """Compile, in place, the dense stages of model.layers; returns the model."""
+    for layer in model.layers:
         if layer.is_moe:
             layer.attention_stage = torch.compile(layer.attention_stage, fullgraph=True, dynamic=False)
         else:

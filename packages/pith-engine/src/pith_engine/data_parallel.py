@@ -19,11 +19,12 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from pith_engine.contract import MoeModel, moe_layers
 from pith_engine.parallel import Parallel
 from pith_ops.grouped_gemm import WgradPairs
 
 
-def shard_model(model: torch.nn.Module, parallel: Parallel, param_dtype: torch.dtype | None = None) -> torch.nn.Module:
+def shard_model(model: MoeModel, parallel: Parallel, param_dtype: torch.dtype | None = None) -> MoeModel:
     """Make the fp32 `model` compute in param_dtype (None: in fp32) on this layout, in place. Several
     processes: FSDP2, bottom-up: each layer's experts, each decoder layer, then the root (embedding, final norm,
     LM head), whose forward (logits, or the loss with labels) gathers and frees the weights. One process: the
@@ -39,9 +40,9 @@ def shard_model(model: torch.nn.Module, parallel: Parallel, param_dtype: torch.d
     from torch.distributed.tensor import Shard
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     expert_mesh, dense_mesh = parallel.mesh_over("dp", "cp"), parallel.mesh_over("dp", "cp", "ep")
-    for layer in model.model.layers:
+    for layer in model.layers:
         if layer.is_moe:   # rows (dim 1), so that each expert's slice of the stack is itself a row shard
-            fully_shard(layer.mlp.experts, mesh=expert_mesh, mp_policy=policy, shard_placement_fn=lambda p: Shard(1))
+            fully_shard(layer.experts, mesh=expert_mesh, mp_policy=policy, shard_placement_fn=lambda p: Shard(1))
         fully_shard(layer, mesh=dense_mesh, mp_policy=policy)
     fully_shard(model, mesh=dense_mesh, mp_policy=policy)
     for module in model.modules():
@@ -103,14 +104,13 @@ def add_grads_in_kernels(model: torch.nn.Module):
         param.grad_into = param
 
 
-def pair_expert_wgrads(model: torch.nn.Module) -> WgradPairs:
+def pair_expert_wgrads(model: MoeModel) -> WgradPairs:
     """For a one-process model that takes several micro-batches per step: its experts' weight-gradient kernel,
     where it adds into .grad itself (`grad_into`, on CUDA), runs once per two micro-batches (WgradPairs, kept
     as model.wgrad_pairs, which the step flushes after its last backward)."""
     pairs = model.wgrad_pairs = WgradPairs()
-    for layer in model.model.layers:
-        if layer.is_moe:
-            layer.mlp.experts.wgrad_pairs = pairs
+    for layer in moe_layers(model):
+        layer.experts.wgrad_pairs = pairs
     return pairs
 
 

@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 
+from pith_engine.contract import MoeLayer
 from pith_ops.token_permute import combine_tokens, count_per_expert, dedup_by_rank, dispatch_tokens, sort_by_expert
 
 
@@ -86,11 +87,11 @@ def combine(expert_out: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
     return combine_tokens(back, unit, exchange.pair_slot, exchange.pair_inverse, ranks)
 
 
-def run_moe_layer(layer, x: torch.Tensor, *attention_args) -> torch.Tensor:
+def run_moe_layer(layer: MoeLayer, x: torch.Tensor, *layer_args) -> torch.Tensor:
     """Run one MoE decoder layer's five stages in order; its experts module says which expert-parallel group
     (if any) its experts are spread over."""
-    hidden, tokens, routing = layer.attention_stage(x, *attention_args)
-    expert_in, plan = dispatch(tokens, routing, layer.num_experts, layer.mlp.experts.ep_group)
+    hidden, tokens, routing = layer.attention_stage(x, *layer_args)
+    expert_in, plan = dispatch(tokens, routing, layer.num_experts, layer.experts.ep_group)
     expert_out = layer.expert_stage(expert_in, plan.tokens_per_expert)
     return layer.aggregate_stage(hidden, tokens, combine(expert_out, plan))
 

@@ -239,9 +239,5 @@ class DeepseekV2ForCausalLM(CausalLM):
         super().__init__(cfg, (DeepseekV2DecoderLayer(cfg, n >= cfg.first_k_dense_replace, parallel, balance, micro_batches)
                                for n in range(cfg.num_hidden_layers)), RMSNorm(cfg.hidden_size, cfg.rms_norm_eps))
 
-    def hidden_states(self, input_ids, docs=None):
-        x = self.model.embed_tokens(input_ids)
-        cos, sin = rotary_tables(self.config, token_positions(input_ids, docs), x.dtype)
-        for layer in self.model.layers:
-            x = layer(x, cos, sin, docs)
-        return self.model.norm(x)
+    def layer_args(self, input_ids, docs, dtype):
+        return (*rotary_tables(self.config, token_positions(input_ids, docs), dtype), docs)

@@ -246,13 +246,9 @@ class GptOssForCausalLM(CausalLM):
                                for layer_type in cfg.layer_types),
                          RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, scale_in_fp32=True))
 
-    def hidden_states(self, input_ids, docs=None):
+    def layer_args(self, input_ids, docs, dtype):
         cfg = self.config
-        x = self.model.embed_tokens(input_ids)
         positions = token_positions(input_ids, docs)
         inv_freq = yarn_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_factor, cfg.rope_original_max_position,
                                  cfg.rope_beta_fast, cfg.rope_beta_slow, cfg.rope_truncate, positions.device)
-        cos, sin = rotary_cos_sin(positions, inv_freq, x.dtype, scale=cfg.rope_attention_factor)
-        for layer in self.model.layers:
-            x = layer(x, cos, sin, docs)
-        return self.model.norm(x)
+        return (*rotary_cos_sin(positions, inv_freq, dtype, scale=cfg.rope_attention_factor), docs)

@@ -140,6 +140,10 @@ class MoeDecoderLayer(nn.Module):
     def aggregate_stage(self, hidden, tokens, routed):
         return hidden + routed.view_as(hidden)
 
+    @property
+    def experts(self):
+        return self.mlp.experts
+
 
 class LocalExperts(nn.Module):
     """Experts module base: this rank holds experts first_expert .. first_expert + local_experts - 1 of
@@ -193,8 +197,9 @@ class Embedding(nn.Embedding):
 
 class CausalLM(nn.Module):
     """What the three families' top-level models share: the Hugging Face trunk (model.embed_tokens,
-    model.layers, model.norm, lm_head), init, logits, loss and the checkpoint views. A subclass passes in
-    its own layers and final norm and writes hidden_states(input_ids)."""
+    model.layers, model.norm, lm_head), init, logits, loss and the checkpoint views; with the family's
+    layers, a pith_engine.contract.MoeModel. A subclass passes in its own layers and final norm and writes
+    layer_args (what its layers take after x)."""
 
     def __init__(self, cfg, layers, norm: nn.Module):
         super().__init__()
@@ -229,15 +234,28 @@ class CausalLM(nn.Module):
         for buffer in self.buffers():
             buffer.zero_()
 
+    @property
+    def layers(self) -> nn.ModuleList:
+        return self.model.layers
+
+    def embed(self, input_ids):
+        return self.model.embed_tokens(input_ids)
+
+    def head_loss_sum(self, hidden, labels):
+        return linear_cross_entropy(self.model.norm(hidden).flatten(0, 1), self.lm_head.weight, labels.flatten())
+
     def forward(self, input_ids, labels=None, docs=None):
         """Logits [batch, seq, vocab]; with labels, the token-summed fp32 cross-entropy over labels != -100,
         without materializing the logits (the caller divides once by the token count). One entry point, so
         that mixed precision and FSDP wrap both. docs: the document index of each token ([batch, seq]): each
         token then attends to and counts positions within its own document only."""
-        hidden = self.hidden_states(input_ids, docs)
+        x = self.embed(input_ids)
+        layer_args = self.layer_args(input_ids, docs, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, *layer_args)
         if labels is None:
-            return self.lm_head(hidden)
-        return linear_cross_entropy(hidden.flatten(0, 1), self.lm_head.weight, labels.flatten())
+            return self.lm_head(self.model.norm(x))
+        return self.head_loss_sum(x, labels)
 
     def loss_sum(self, input_ids, labels, docs=None):
         return self(input_ids, labels, docs)

@@ -123,11 +123,7 @@ class Qwen3MoeForCausalLM(CausalLM):
                                for _ in range(cfg.num_hidden_layers)),
                          RMSNorm(cfg.hidden_size, cfg.rms_norm_eps))
 
-    def hidden_states(self, input_ids, docs=None):
-        x = self.model.embed_tokens(input_ids)
+    def layer_args(self, input_ids, docs, dtype):
         positions = token_positions(input_ids, docs)
         inv_freq = default_inv_freq(self.config.head_dim, self.config.rope_theta, positions.device)
-        cos, sin = rotary_cos_sin(positions, inv_freq, x.dtype)
-        for layer in self.model.layers:
-            x = layer(x, cos, sin, docs)
-        return self.model.norm(x)
+        return (*rotary_cos_sin(positions, inv_freq, dtype), docs)

@@ -1,0 +1,90 @@
+"""The engine-model contract: everything pith_engine reads of a model, written down once.
+
+A family's top-level model is a `MoeModel`; each of its decoder layers (`model.layers`) is a `DenseLayer` or
+a `MoeLayer` (`is_moe` says which), and an MoE layer's `experts` module is an `ExpertStack`. Engine
+functions take these types and read nothing else of a model: no attribute path (`model.model.layers`,
+`mlp.experts`) and no parameter-name pattern. `check_model` says what a model lacks; tests/apps/test_contract.py
+runs it on each family.
+"""
+from typing import Protocol
+
+import torch
+from torch import nn
+
+
+class ExpertStack(Protocol):
+    """A layer's experts on this rank: global experts first_expert .. first_expert + local_experts - 1,
+    stacked along dim 0 of each of its parameters."""
+    local_experts: int
+    first_expert: int
+    ep_group: object    # the expert-parallel process group dispatch sends over; None: every expert is here
+    wgrad_pairs: object   # a pith_ops.grouped_gemm.WgradPairs its weight gradients go through, or None
+
+
+class DenseLayer(Protocol):
+    """A decoder layer without experts (is_moe False), called as layer(x, *model.layer_args(...))."""
+    is_moe: bool
+
+    def __call__(self, x: torch.Tensor, *layer_args) -> torch.Tensor: ...
+
+
+class MoeLayer(Protocol):
+    """A decoder layer with experts (is_moe True), run as five stages by pith_engine.moe.run_moe_layer: the
+    model writes stages 1, 3 and 5, the engine dispatches (2) and combines (4) between them."""
+    is_moe: bool
+    num_experts: int      # over all expert-parallel ranks
+    experts: ExpertStack
+
+    def attention_stage(self, x: torch.Tensor, *layer_args) -> tuple:
+        """-> (hidden [batch, seq, hidden] after attention and its residual, tokens [batch * seq, hidden]
+        the experts' input, pith_engine.moe.Routing)."""
+
+    def expert_stage(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor: ...
+
+    def aggregate_stage(self, hidden: torch.Tensor, tokens: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
+        """-> the layer's output: hidden plus the routed sum [batch * seq, hidden] (plus shared experts)."""
+
+
+class MoeModel(Protocol):
+    """A causal LM: embed -> each of `layers` with the same layer_args -> head_loss_sum. loss_sum runs all of
+    it in one call of the model (the entry point that mixed precision and FSDP hook)."""
+    layers: nn.ModuleList
+    wgrad_pairs: object   # the WgradPairs its step flushes after the last backward (pith_engine.data_parallel)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor: ...
+
+    def layer_args(self, input_ids: torch.Tensor, docs: torch.Tensor | None, dtype: torch.dtype) -> tuple:
+        """What every layer takes after x (rotary tables, document ids), made once per forward."""
+
+    def head_loss_sum(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Final norm, LM head and the token-summed fp32 cross-entropy over labels != -100."""
+
+    def loss_sum(self, input_ids: torch.Tensor, labels: torch.Tensor, docs: torch.Tensor | None = None
+                 ) -> torch.Tensor: ...
+
+
+def moe_layers(model: MoeModel) -> list[MoeLayer]:
+    return [layer for layer in model.layers if layer.is_moe]
+
+
+def expert_stacks(model: MoeModel) -> dict[str, ExpertStack]:
+    """Each MoE layer's experts module by its module name in the model (its parameters' name prefix)."""
+    stacks = {id(layer.experts) for layer in moe_layers(model)}
+    return {name: module for name, module in model.named_modules() if id(module) in stacks}
+
+
+def check_model(model) -> None:
+    """TypeError naming the first part of the contract `model` does not meet."""
+    _require(model, MoeModel, type(model).__name__)
+    for n, layer in enumerate(model.layers):
+        _require(layer, MoeLayer if getattr(layer, "is_moe", False) else DenseLayer, f"layer {n} ({type(layer).__name__})")
+        if layer.is_moe:
+            _require(layer.experts, ExpertStack, f"layer {n}'s experts ({type(layer.experts).__name__})")
+
+
+def _require(obj, protocol, what: str):
+    members = [*protocol.__annotations__, *(name for name, value in vars(protocol).items()
+                                            if callable(value) and not name.startswith("_"))]
+    missing = [name for name in members if not hasattr(obj, name)]
+    if missing:
+        raise TypeError(f"{what} is not a pith_engine {protocol.__name__}: it lacks {', '.join(missing)}")
