@@ -1,0 +1,53 @@
+"""DualPipeV's schedule and its simulator (pith_engine.dualpipev) against the schedule's stated facts."""
+import pytest
+
+from pith_engine.dualpipev import Costs, main, schedule, simulate
+from pith_engine.parallel import LayoutError
+
+LAYOUTS = [(pp, micro_batches) for pp in (1, 2, 3, 4, 8) for micro_batches in (2 * pp, 2 * pp + 3, 4 * pp)]
+
+
+@pytest.mark.parametrize("pp, micro_batches", LAYOUTS)
+def test_each_rank_runs_every_micro_batch_forward_and_backward_once_per_phase(pp, micro_batches):
+    """N forwards and N backwards per phase on every rank; an overlapped pair is one forward and one backward;
+    every W step has a deferred backward left to run, and none is left at the end."""
+    for rank in range(pp):
+        steps = schedule(pp, micro_batches, rank)
+        flat = [step for group in steps for step in group]
+        for kind in "FB":
+            for phase in (0, 1):
+                assert sum(s.kind == kind and s.phase == phase for s in flat) == micro_batches, (rank, kind, phase)
+        assert all(len(group) == 1 or [s.kind for s in group] == ["F", "B"] for group in steps)
+        waiting = 0
+        for step in flat:
+            waiting += step.kind == "B" and step.defer
+            waiting -= step.kind == "W"
+            assert waiting >= 0, rank
+        assert waiting == 0 and flat[0].kind == "F" and flat[-1].kind == "W"
+
+
+@pytest.mark.parametrize("pp, micro_batches", LAYOUTS)
+@pytest.mark.parametrize("costs", [Costs(1, 2, 1, 2.5), Costs(1, 2, 0.5, 2.8), Costs(2, 3, 1, 4), Costs(1, 2, 1, 3)])
+def test_the_simulated_bubble_with_equal_chunk_costs_is_the_stated_one(pp, micro_batches, costs):
+    """(pp - 1)(F&B + B - 3W), the DeepSeek-V3 report's DualPipeV bubble, at the last rank (within 1e-9); the
+    other ranks idle less; no rank waits forever (the simulation ends)."""
+    timelines, bubbles = simulate(pp, micro_batches, costs)
+    assert max(bubbles) == pytest.approx((pp - 1) * (costs.overlapped + costs.backward - 3 * costs.weight), abs=1e-9)
+    assert max(bubbles) == pytest.approx(bubbles[-1], abs=1e-9)
+    for line in timelines:
+        assert all(a[1] <= b[0] + 1e-12 for a, b in zip(line, line[1:]))   # one step at a time per rank
+
+
+def test_too_few_micro_batches_is_one_line_naming_the_minimum():
+    with pytest.raises(LayoutError, match=r"^DualPipeV needs at least 2 x pp = 8 micro-batches per step, not 7; "
+                                          r"raise the batch size or lower --pp$"):
+        schedule(4, 7, 0)
+
+
+def test_the_planning_command_prints_each_ranks_timeline_and_the_bubble(capsys):
+    main(["--pp", "2", "--micro-batches", "4", "--forward", "1", "--backward", "2", "--weight", "1",
+          "--overlapped", "3"])
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in lines[:2]] == ["rank 0", "rank 1"]
+    assert lines[2].endswith("(pp - 1)(overlapped + backward - 3 weight) = 2") and "bubble per rank" in lines[2]
+    assert set(lines[1].split(": ")[1]) <= set("FfBbWX.")
