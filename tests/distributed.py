@@ -1,6 +1,7 @@
 """Run a test body on N spawned CPU processes joined by gloo; a failure in any process fails the test."""
 import os
 import socket
+from datetime import timedelta
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -14,7 +15,8 @@ def free_port() -> int:
 
 def _worker(rank, world, port, body, args):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # a rank left waiting (a receive no one sends, a collective another rank skipped) fails, not hangs, the test
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(minutes=5))
     try:
         body(rank, world, *args)
     finally:

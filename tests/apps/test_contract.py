@@ -55,7 +55,7 @@ def test_a_model_that_misses_part_of_the_contract_is_named_with_what_it_lacks():
                                         r"experts, attention_stage, expert_stage, aggregate_stage$"):
         model.model.layers[1] = type("Plain", (torch.nn.Module,), {"is_moe": True})()
         check_model(model)
-    with pytest.raises(TypeError, match=r"^Sequential is not a pith_engine MoeModel: it lacks layers, wgrad_pairs, "
+    with pytest.raises(TypeError, match=r"^Sequential is not a pith_engine MoeModel: it lacks layers, hidden_size, wgrad_pairs, "
                                         r"embed, layer_args, head_loss_sum, loss_sum$"):
         check_model(torch.nn.Sequential())
 

@@ -49,6 +49,7 @@ class MoeModel(Protocol):
     """A causal LM: embed -> each of `layers` with the same layer_args -> head_loss_sum. loss_sum runs all of
     it in one call of the model (the entry point that mixed precision and FSDP hook)."""
     layers: nn.ModuleList
+    hidden_size: int      # of the hidden states between layers
     wgrad_pairs: object   # the WgradPairs its step flushes after the last backward (pith_engine.data_parallel)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor: ...

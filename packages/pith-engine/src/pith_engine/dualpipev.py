@@ -9,12 +9,21 @@ and in order. A backward may leave its weight gradients for a later W step (zero
 one left. Two steps in one tuple are an overlapped pair: one micro-batch's forward interleaved with another's
 backward, so that each one's communication hides behind the other's computation.
 
+`Pipeline` runs the schedule: a rank's two chunks (its layers from `chunk_layers`, read through the engine's
+model contract) forward and backward, activations and their gradients sent to the neighbouring ranks. Not yet:
+the overlap inside a pair (its forward, then its backward), deferred weight gradients (a W step does nothing),
+building only the held layers, mixed precision and FSDP under the pipeline, the app's --pp.
+
 Run `python -m pith_engine.dualpipev --pp 4 --micro-batches 10` to print each rank's timeline and bubble.
 """
 import argparse
 from dataclasses import dataclass
 
-from pith_engine.parallel import LayoutError
+import torch
+import torch.distributed as dist
+
+from pith_engine.contract import MoeModel
+from pith_engine.parallel import LayoutError, Parallel
 
 
 @dataclass(frozen=True)
@@ -113,6 +122,130 @@ def chart(timelines, columns_per_unit: int = 4) -> str:
             text += letter * (round(end * columns_per_unit) - len(text))
         lines.append(f"rank {rank}: {text}")
     return "\n".join(lines)
+
+
+def chunk_layers(num_layers: int, pp: int, sizes: list[int] | None = None) -> list[range]:
+    """The decoder layers of each of the 2pp chunks, in model order: `sizes` layers each, or as even as possible
+    with the spare layers going to the chunks nearest the turn of the V (rank 0's chunks also embed and take
+    the loss)."""
+    chunks = 2 * pp
+    if num_layers < chunks:
+        raise LayoutError(f"{num_layers} layers cannot fill the 2 x pp = {chunks} chunks of DualPipeV (at least one "
+                          f"layer each); lower pp to at most {num_layers // 2}")
+    if sizes is None:
+        base, spare = divmod(num_layers, chunks)
+        nearest_turn = sorted(range(chunks), key=lambda c: abs(c - (chunks - 1) / 2))[:spare]
+        sizes = [base + (c in nearest_turn) for c in range(chunks)]
+    if len(sizes) != chunks or sum(sizes) != num_layers or min(sizes) < 1:
+        raise LayoutError(f"layers per chunk {sizes} must be {chunks} positive counts (2 x pp) summing to the "
+                          f"model's {num_layers} layers")
+    starts = [sum(sizes[:c]) for c in range(chunks)]
+    return [range(start, start + size) for start, size in zip(starts, sizes)]
+
+
+def sends(pp: int, micro_batches: int, rank: int) -> list[tuple[int, tuple]]:
+    """(pipeline rank, message) for each send of this rank in order; a message is named by the step that
+    sends it, (kind, phase, micro-batch). Phase 0's forward and phase 1's backward go up (rank + 1), the other
+    two down; the turn of the V (rank P-1) and the ends (the embedding, the loss at rank 0) send nothing."""
+    out, seen = [], {}
+    for steps in schedule(pp, micro_batches, rank):
+        for step in steps:
+            if step.kind == "W":
+                continue
+            key = (step.kind, step.phase, seen.setdefault((step.kind, step.phase), 0))
+            seen[step.kind, step.phase] += 1
+            up = (step.phase == 0) == (step.kind == "F")
+            if (up and rank < pp - 1) or (not up and rank > 0):
+                out.append((rank + 1 if up else rank - 1, key))
+    return out
+
+
+class Pipeline:
+    """One pipeline rank's part of a training step: its two chunks' forwards and backwards in DualPipeV order,
+    activations and their gradients passed to the neighbouring ranks with batch_isend_irecv. Every rank reads
+    every micro-batch's input ids (for its layer_args); the labels matter at rank 0, which holds the loss.
+    Receives from a neighbour are posted in the order that neighbour sends (`sends`), because point-to-point
+    messages between two ranks match in order, not by name. Weight gradients are not deferred yet: a
+    backward computes them, a W step does nothing."""
+
+    def __init__(self, model: MoeModel, parallel: Parallel, dtype: torch.dtype, layers_per_chunk: list[int] | None = None):
+        self.model, self.pp, self.rank, self.dtype = model, parallel.pp, parallel.coords["pp"], dtype
+        self.group = parallel.group("pp")
+        self.chunks = (self.rank, 2 * self.pp - 1 - self.rank)
+        ranges = chunk_layers(len(model.layers), self.pp, layers_per_chunk)
+        self.layers = [[model.layers[n] for n in ranges[chunk]] for chunk in self.chunks]
+        self.peers = {r: dist.get_global_rank(self.group, r) for r in (self.rank - 1, self.rank + 1)
+                      if 0 <= r < self.pp} if self.group is not None else {}
+
+    def step(self, batches: list[tuple], tokens: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of every micro-batch (ids, labels, docs) with the loss divided by `tokens` (those
+        of the whole step); returns the step's loss on rank 0 (0 elsewhere), the gradients in .grad."""
+        n = len(batches)
+        self.batches, self.tokens, self.loss = batches, tokens, torch.zeros((), device=tokens.device)
+        self.kept, self.turn, self.sent = {}, {}, []
+        self.incoming = {peer: [key for to, key in sends(self.pp, n, peer) if to == self.rank] for peer in self.peers}
+        self.posted = {peer: {} for peer in self.peers}
+        seen = {}
+        for steps in schedule(self.pp, n, self.rank):
+            for step in steps:
+                if step.kind != "W":
+                    i = seen[step.kind, step.phase] = seen.get((step.kind, step.phase), -1) + 1
+                    (self.forward if step.kind == "F" else self.backward)(step.phase, i)
+        for _, works in self.sent:
+            for work in works:
+                work.wait()
+        return self.loss
+
+    def forward(self, phase: int, i: int):
+        ids, labels, docs = self.batches[i]
+        chunk = self.chunks[phase]
+        if chunk == 0:
+            x = inp = self.model.embed(ids)
+        else:
+            x = inp = (self.turn.pop(("F", i)) if phase == 1 and self.rank == self.pp - 1 else
+                       self.receive(self.rank + 1 if phase else self.rank - 1, ("F", phase, i), ids)).requires_grad_()
+        layer_args = self.model.layer_args(ids, docs, x.dtype)
+        for layer in self.layers[phase]:
+            x = layer(x, *layer_args)
+        if chunk == 2 * self.pp - 1:
+            x = self.model.head_loss_sum(x, labels) / self.tokens
+            self.loss = self.loss + x.detach()
+        elif phase == 0 and self.rank == self.pp - 1:
+            self.turn["F", i] = x.detach()
+        else:
+            self.send(x.detach(), self.rank - 1 if phase else self.rank + 1)
+        self.kept[phase, i] = (None if chunk == 0 else inp, x)
+
+    def backward(self, phase: int, i: int):
+        inp, out = self.kept.pop((phase, i))
+        if self.chunks[phase] == 2 * self.pp - 1:
+            out.backward()
+        else:
+            grad = (self.turn.pop(("B", i)) if phase == 0 and self.rank == self.pp - 1 else
+                    self.receive(self.rank - 1 if phase else self.rank + 1, ("B", phase, i), self.batches[i][0]))
+            out.backward(grad)
+        if inp is None:
+            return
+        if phase == 1 and self.rank == self.pp - 1:
+            self.turn["B", i] = inp.grad
+        else:
+            self.send(inp.grad, self.rank + 1 if phase else self.rank - 1)
+
+    def send(self, tensor: torch.Tensor, peer: int):
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor, self.peers[peer], self.group)])
+        self.sent.append((tensor, works))   # the tensor lives until its send is done
+
+    def receive(self, peer: int, key: tuple, ids: torch.Tensor) -> torch.Tensor:
+        posted = self.posted[peer]
+        while key not in posted:   # post, in the peer's send order, every receive up to this one
+            ahead = self.incoming[peer].pop(0)
+            buffer = torch.empty(*ids.shape, self.model.hidden_size, dtype=self.dtype, device=ids.device)
+            posted[ahead] = (buffer, dist.batch_isend_irecv([dist.P2POp(dist.irecv, buffer, self.peers[peer],
+                                                                        self.group)]))
+        buffer, works = posted.pop(key)
+        for work in works:
+            work.wait()
+        return buffer
 
 
 def main(argv=None):

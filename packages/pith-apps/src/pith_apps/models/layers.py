@@ -238,6 +238,10 @@ class CausalLM(nn.Module):
     def layers(self) -> nn.ModuleList:
         return self.model.layers
 
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
     def embed(self, input_ids):
         return self.model.embed_tokens(input_ids)
 
