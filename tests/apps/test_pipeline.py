@@ -8,6 +8,7 @@ from conftest import relative_error
 from distributed import run_on_processes
 from pith_apps.config import read_json
 from pith_apps.options import MODELS, PRESETS
+from pith_engine.data_parallel import ComputeCasts
 from pith_engine.dualpipev import Pipeline, chunk_layers
 from pith_engine.parallel import LayoutError, Parallel
 
@@ -46,8 +47,11 @@ def held_names(model, pp, rank):
             or (rank == 0 and not name.startswith("model.layers."))}
 
 
-def check_against_sequential(family, parallel, count):
+def check_against_sequential(family, parallel, count, mixed=False):
+    """mixed: fp32 master weights computing in bf16 copies (one-process mixed precision, ComputeCasts)."""
     model = tiny(family, parallel, count)
+    if mixed:
+        ComputeCasts(torch.bfloat16).register(model)
     batches = micro_batches(model.config.vocab_size, count, parallel.data_rank)
     tokens = sum((labels != -100).sum() for _, labels, _ in batches)
     expected = torch.zeros(())
@@ -57,7 +61,7 @@ def check_against_sequential(family, parallel, count):
         expected += loss.detach()
     reference = {name: param.grad.clone() for name, param in model.named_parameters()}
     model.zero_grad(set_to_none=True)
-    loss = Pipeline(model, parallel, torch.float32).step(batches, tokens)
+    loss = Pipeline(model, parallel, torch.bfloat16 if mixed else torch.float32).step(batches, tokens)
     rank = parallel.coords["pp"]
     held = held_names(model, parallel.pp, rank)
     for name, param in model.named_parameters():
@@ -69,20 +73,23 @@ def check_against_sequential(family, parallel, count):
         assert abs(loss - expected) < 1e-6 * expected, family
 
 
-def pipeline_body(rank, world, families, count, ep=1):
+def pipeline_body(rank, world, families, count, ep=1, mixed=False):
     parallel = Parallel.build(pp=world // ep, ep=ep)
     for family in families:
-        check_against_sequential(family, parallel, count)
+        check_against_sequential(family, parallel, count, mixed)
 
 
+@pytest.mark.parametrize("mixed", [False, True])
 @pytest.mark.parametrize("family", list(MODELS))
-def test_one_rank_runs_both_chunks_as_the_sequential_run(family):
-    check_against_sequential(family, Parallel(), 3)
+def test_one_rank_runs_both_chunks_as_the_sequential_run(family, mixed):
+    check_against_sequential(family, Parallel(), 3, mixed)
 
 
-def test_two_pipeline_ranks_give_the_sequential_runs_loss_and_gradients():
-    """pp = 2 over gloo, 5 micro-batches (more than the 2pp minimum: the main overlapped phase runs), each family."""
-    run_on_processes(2, pipeline_body, list(MODELS), 5)
+@pytest.mark.parametrize("mixed", [False, True])
+def test_two_pipeline_ranks_give_the_sequential_runs_loss_and_gradients(mixed):
+    """pp = 2 over gloo, 5 micro-batches (more than the 2pp minimum: the main overlapped phase runs), each family;
+    in fp32 and in mixed precision (the same bf16 computations as the sequential run's)."""
+    run_on_processes(2, pipeline_body, list(MODELS), 5, 1, mixed)
 
 
 def test_two_pipeline_ranks_of_two_expert_parallel_ranks_give_the_sequential_runs_loss_and_gradients():

@@ -13,6 +13,7 @@ gradients are reduced in fp32 as a sum, not a mean, because each rank's loss is 
 global token count. After sharding, every parameter element lives on exactly one rank (per pipeline
 stage), which is what makes the clip's all-reduced sum of squares exact.
 """
+import contextlib
 import weakref
 
 import torch
@@ -112,6 +113,20 @@ def pair_expert_wgrads(model: MoeModel) -> WgradPairs:
     for layer in moe_layers(model):
         layer.experts.wgrad_pairs = pairs
     return pairs
+
+
+@contextlib.contextmanager
+def compute_copies(model: torch.nn.Module):
+    """Inside, a one-process mixed-precision model's parameters are its compute copies, as during its own
+    forward (ComputeCasts), for code that calls a model's pieces itself (the pipeline); nothing elsewhere."""
+    casts = getattr(model, "compute_casts", None)
+    if casts is not None:
+        casts.cast(model, ())
+    try:
+        yield
+    finally:
+        if casts is not None:
+            casts.restore(model, (), None)
 
 
 def drop_compute_copies(model: torch.nn.Module):

@@ -12,7 +12,8 @@ backward, so that each one's communication hides behind the other's computation.
 `Pipeline` runs the schedule: a rank's two chunks (its layers from `chunk_layers`, read through the engine's
 model contract) forward and backward, activations and their gradients sent to the neighbouring ranks. Not yet:
 the overlap inside a pair (its forward, then its backward), deferred weight gradients (a W step does nothing),
-building only the held layers, mixed precision and FSDP under the pipeline, the app's --pp.
+building only the held layers, FSDP under the pipeline (one-process mixed precision, ComputeCasts, runs), the
+app's --pp.
 
 Run `python -m pith_engine.dualpipev --pp 4 --micro-batches 10` to print each rank's timeline and bubble.
 """
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from pith_engine.contract import MoeModel
+from pith_engine.data_parallel import compute_copies
 from pith_engine.parallel import LayoutError, Parallel
 
 
@@ -188,9 +190,14 @@ class Pipeline:
         seen = {}
         for steps in schedule(self.pp, n, self.rank):
             for step in steps:
-                if step.kind != "W":
-                    i = seen[step.kind, step.phase] = seen.get((step.kind, step.phase), -1) + 1
-                    (self.forward if step.kind == "F" else self.backward)(step.phase, i)
+                if step.kind == "W":
+                    continue
+                i = seen[step.kind, step.phase] = seen.get((step.kind, step.phase), -1) + 1
+                if step.kind == "F":
+                    with compute_copies(self.model):   # as the model's own forward would compute
+                        self.forward(step.phase, i)
+                else:
+                    self.backward(step.phase, i)
         for _, works in self.sent:
             for work in works:
                 work.wait()
