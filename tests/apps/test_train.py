@@ -454,6 +454,18 @@ def test_training_never_reads_the_held_out_tokens_and_too_little_data_is_named()
         split_held_out(tokens, 8, 8, 16)
 
 
+def test_one_process_on_a_numbered_gpu_makes_it_the_current_device(monkeypatch):
+    """--device cuda:1 on one process: the app sets CUDA's current device, which Triton launches, streams and
+    CUDA graphs use (a machine without that GPU is faked: the test checks the call, not the GPU)."""
+    current = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: current.append(torch.device(device).index))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current[-1] if current else 0)
+    _, device = train_app.layout(train_app.parse_args(["qwen3", "--device", "cuda:1"]))
+    assert current == [1] and device == torch.device("cuda", 1)
+    _, device = train_app.layout(train_app.parse_args(["qwen3", "--device", "cuda"]))
+    assert current == [1] and device == torch.device("cuda", 1)   # no index: the current device, not reset
+
+
 def test_doc_mask_trains_on_the_documents_as_the_model_sees_them_alone(tmp_path):
     """--doc-mask: the first loss is the fresh model's on the first batch with each token's document (1e-5), not
     the plain loss, and the run trains."""

@@ -96,7 +96,9 @@ def join_processes(args) -> bool:
 
 def layout(args) -> tuple[Parallel, torch.device]:
     device = torch.device(args.device)
-    if device.type == "cuda" and dist.is_initialized():
+    if device.type == "cuda":
+        if not dist.is_initialized() and device.index is not None:
+            torch.cuda.set_device(device)   # Triton launches, streams and graphs use the current device
         device = torch.device("cuda", torch.cuda.current_device())
     parallel = Parallel.build(args.pp, args.dp, args.cp, args.ep, device.type)
     if parallel.pp > 1 or parallel.cp > 1:
