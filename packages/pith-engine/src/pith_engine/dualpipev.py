@@ -68,43 +68,53 @@ class Costs:
         return {"F": self.forward, "W": self.weight}.get(step.kind, self.backward - self.weight * step.defer)
 
 
+def flow(step: Step) -> int:
+    """+1 where the step's output goes to rank + 1 (phase 0's forward, phase 1's backward), else -1."""
+    return 1 if (step.phase == 0) == (step.kind == "F") else -1
+
+
+def numbered(plan: list[tuple[Step, ...]]):
+    """(steps, the micro-batch of each) for each entry of a schedule: a phase's forwards, and its backwards, take
+    the micro-batches in order; a W step has None."""
+    taken = {}
+    for steps in plan:
+        batches = []
+        for step in steps:
+            key = (step.kind, step.phase)
+            batches.append(None if step.kind == "W" else taken.get(key, 0))
+            taken[key] = taken.get(key, 0) + 1
+        yield steps, batches
+
+
 def _needs(pp: int, rank: int, step: Step, micro_batch: int):
-    """The (rank, kind, phase, micro-batch) whose end this step waits for; None for the first forward."""
-    forward = step.kind == "F"
-    if step.phase == 0:   # phase 0 flows up in the forward, down in the backward
-        source = rank - 1 if forward else rank + 1
-        first = (rank == 0) if forward else (rank == pp - 1)
-        local = None if forward else (rank, "B", 1, micro_batch)   # the turn of the V, at rank P-1
-    else:
-        source = rank + 1 if forward else rank - 1
-        first = (rank == pp - 1) if forward else (rank == 0)
-        local = (rank, "F", 0, micro_batch) if forward else (rank, "F", 1, micro_batch)   # the turn, or the loss
-    return local if first else (source, step.kind, step.phase, micro_batch)
+    """The (rank, kind, phase, micro-batch) whose end this step waits for; None for phase 0's first forward."""
+    source = rank - flow(step)
+    if 0 <= source < pp:
+        return source, step.kind, step.phase, micro_batch
+    if step.kind == "F":   # the embedding; or the turn of the V (phase 1 at rank P-1 after phase 0)
+        return None if step.phase == 0 else (rank, "F", 0, micro_batch)
+    return (rank, "F", 1, micro_batch) if step.phase == 1 else (rank, "B", 1, micro_batch)   # the loss; the turn
 
 
 def simulate(pp: int, micro_batches: int, costs: Costs = Costs()):
     """Each rank's timeline [(start, end, steps)] and bubble (the last end minus the rank's busy time), with
     communication taken as free: a step starts once its rank is free and what it waits for has ended."""
-    plans = [schedule(pp, micro_batches, rank) for rank in range(pp)]
+    plans = [list(numbered(schedule(pp, micro_batches, rank))) for rank in range(pp)]
     ended, timelines = {}, [[] for _ in range(pp)]
-    seen = [dict() for _ in range(pp)]   # (kind, phase) -> micro-batches started on that rank
     progress = True
     while progress:
         progress = False
         for rank, plan in enumerate(plans):
             if len(timelines[rank]) == len(plan):
                 continue
-            steps = plan[len(timelines[rank])]
-            work = [step for step in steps if step.kind != "W"]
-            keys = [(step.kind, step.phase, seen[rank].get((step.kind, step.phase), 0)) for step in work]
-            needs = [need for step, key in zip(work, keys) if (need := _needs(pp, rank, step, key[2])) is not None]
+            steps, batches = plan[len(timelines[rank])]
+            work = [(step, i) for step, i in zip(steps, batches) if i is not None]
+            needs = [need for step, i in work if (need := _needs(pp, rank, step, i)) is not None]
             if any(need not in ended for need in needs):
                 continue
             start = max([timelines[rank][-1][1] if timelines[rank] else 0.0, *(ended[need] for need in needs)])
             end = start + costs.of(steps)
-            for kind, phase, micro_batch in keys:
-                ended[(rank, kind, phase, micro_batch)] = end
-                seen[rank][(kind, phase)] = micro_batch + 1
+            ended.update(((rank, step.kind, step.phase, i), end) for step, i in work)
             timelines[rank].append((start, end, steps))
             progress = True
     span = max(line[-1][1] for line in timelines)
@@ -147,19 +157,11 @@ def chunk_layers(num_layers: int, pp: int, sizes: list[int] | None = None) -> li
 
 def sends(pp: int, micro_batches: int, rank: int) -> list[tuple[int, tuple]]:
     """(pipeline rank, message) for each send of this rank in order; a message is named by the step that
-    sends it, (kind, phase, micro-batch). Phase 0's forward and phase 1's backward go up (rank + 1), the other
-    two down; the turn of the V (rank P-1) and the ends (the embedding, the loss at rank 0) send nothing."""
-    out, seen = [], {}
-    for steps in schedule(pp, micro_batches, rank):
-        for step in steps:
-            if step.kind == "W":
-                continue
-            key = (step.kind, step.phase, seen.setdefault((step.kind, step.phase), 0))
-            seen[step.kind, step.phase] += 1
-            up = (step.phase == 0) == (step.kind == "F")
-            if (up and rank < pp - 1) or (not up and rank > 0):
-                out.append((rank + 1 if up else rank - 1, key))
-    return out
+    sends it, (kind, phase, micro-batch). The turn of the V (rank P-1) and the ends (the embedding's backward,
+    the loss at rank 0) send nothing."""
+    return [(rank + flow(step), (step.kind, step.phase, i))
+            for steps, batches in numbered(schedule(pp, micro_batches, rank)) for step, i in zip(steps, batches)
+            if i is not None and 0 <= rank + flow(step) < pp]
 
 
 class Pipeline:
@@ -187,56 +189,54 @@ class Pipeline:
         self.kept, self.turn, self.sent = {}, {}, []
         self.incoming = {peer: [key for to, key in sends(self.pp, n, peer) if to == self.rank] for peer in self.peers}
         self.posted = {peer: {} for peer in self.peers}
-        seen = {}
-        for steps in schedule(self.pp, n, self.rank):
-            for step in steps:
-                if step.kind == "W":
-                    continue
-                i = seen[step.kind, step.phase] = seen.get((step.kind, step.phase), -1) + 1
+        for steps, batches in numbered(schedule(self.pp, n, self.rank)):
+            for step, i in zip(steps, batches):
                 if step.kind == "F":
                     with compute_copies(self.model):   # as the model's own forward would compute
-                        self.forward(step.phase, i)
-                else:
-                    self.backward(step.phase, i)
+                        self.forward(step, i)
+                elif step.kind == "B":
+                    self.backward(step, i)
         for _, works in self.sent:
             for work in works:
                 work.wait()
         return self.loss
 
-    def forward(self, phase: int, i: int):
+    def forward(self, step: Step, i: int):
         ids, labels, docs = self.batches[i]
-        chunk = self.chunks[phase]
-        if chunk == 0:
-            x = inp = self.model.embed(ids)
-        else:
-            x = inp = (self.turn.pop(("F", i)) if phase == 1 and self.rank == self.pp - 1 else
-                       self.receive(self.rank + 1 if phase else self.rank - 1, ("F", phase, i), ids)).requires_grad_()
+        chunk = self.chunks[step.phase]
+        x = inp = self.model.embed(ids) if chunk == 0 else self.take(step, i).requires_grad_()
         layer_args = self.model.layer_args(ids, docs, x.dtype)
-        for layer in self.layers[phase]:
+        for layer in self.layers[step.phase]:
             x = layer(x, *layer_args)
         if chunk == 2 * self.pp - 1:
             x = self.model.head_loss_sum(x, labels) / self.tokens
             self.loss = self.loss + x.detach()
-        elif phase == 0 and self.rank == self.pp - 1:
-            self.turn["F", i] = x.detach()
         else:
-            self.send(x.detach(), self.rank - 1 if phase else self.rank + 1)
-        self.kept[phase, i] = (None if chunk == 0 else inp, x)
+            self.give(step, i, x.detach())
+        self.kept[step.phase, i] = (None if chunk == 0 else inp, x)
 
-    def backward(self, phase: int, i: int):
-        inp, out = self.kept.pop((phase, i))
-        if self.chunks[phase] == 2 * self.pp - 1:
+    def backward(self, step: Step, i: int):
+        inp, out = self.kept.pop((step.phase, i))
+        if self.chunks[step.phase] == 2 * self.pp - 1:
             out.backward()
         else:
-            grad = (self.turn.pop(("B", i)) if phase == 0 and self.rank == self.pp - 1 else
-                    self.receive(self.rank - 1 if phase else self.rank + 1, ("B", phase, i), self.batches[i][0]))
-            out.backward(grad)
-        if inp is None:
-            return
-        if phase == 1 and self.rank == self.pp - 1:
-            self.turn["B", i] = inp.grad
+            out.backward(self.take(step, i))
+        if inp is not None:
+            self.give(step, i, inp.grad)
+
+    def take(self, step: Step, i: int) -> torch.Tensor:
+        """What the step gets from the rank before it in its flow, or at the turn of the V from this rank."""
+        source = self.rank - flow(step)
+        if 0 <= source < self.pp:
+            return self.receive(source, (step.kind, step.phase, i), self.batches[i][0])
+        return self.turn.pop((step.kind, i))
+
+    def give(self, step: Step, i: int, tensor: torch.Tensor):
+        """The step's output to the next rank in its flow, or at the turn of the V to this rank's other phase."""
+        if 0 <= self.rank + flow(step) < self.pp:
+            self.send(tensor, self.rank + flow(step))
         else:
-            self.send(inp.grad, self.rank + 1 if phase else self.rank - 1)
+            self.turn[step.kind, i] = tensor
 
     def send(self, tensor: torch.Tensor, peer: int):
         works = dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor, self.peers[peer], self.group)])

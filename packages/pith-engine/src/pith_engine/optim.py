@@ -94,12 +94,13 @@ def clipped_step(optimizer: torch.optim.Optimizer, norm: torch.Tensor, max_norm:
         raise TypeError(f"clipped_step takes a fused torch optimizer (as adamw() makes), not {optimizer!r}")
     optimizer.grad_scale = torch.clamp((norm + 1e-6) / max_norm, min=1.0)
     optimizer.found_inf = (~torch.isfinite(norm)).float()
-    lrs = [group["lr"] for group in optimizer.param_groups]
-    for group in optimizer.param_groups if lr is not None else ():
-        group["lr"] = lr
+    own_lrs = [group["lr"] for group in optimizer.param_groups]
+    if lr is not None:
+        for group in optimizer.param_groups:
+            group["lr"] = lr
     try:
         optimizer.step()
     finally:
         del optimizer.grad_scale, optimizer.found_inf
-        for group, own in zip(optimizer.param_groups, lrs):
+        for group, own in zip(optimizer.param_groups, own_lrs):
             group["lr"] = own

@@ -215,10 +215,8 @@ class _GroupedLinear(torch.autograd.Function):
         use_triton, pairs = ctx.use_triton, ctx.wgrad_pairs
 
         def accumulate_wgrad():
-            if into is not None and pairs is not None:
-                pairs.add(into, grad_out, x, offs)
-            elif into is not None:
-                add_wgrad_into(into, grad_out, x, offs)
+            if into is not None:
+                (add_wgrad_into if pairs is None else pairs.add)(into, grad_out, x, offs)
             else:
                 grad_w = grouped_wgrad(grad_out, x, offs, use_triton)
                 weight.grad = grad_w if weight.grad is None else weight.grad.add_(grad_w)
