@@ -108,7 +108,7 @@ def test_balance_loss_gradient_equals_ce_plus_alpha_times_the_formula(seq_aux):
 
     attached = gradients()
     captured = []
-    for layer in model.model.layers[1:]:
+    for layer in list(model.layers.values())[1:]:
         layer.balance.coef = 0.0   # from here on, nothing attached
         def route(scores, original=layer.route, layer=layer):
             expert_ids, weights = original(scores)
@@ -161,7 +161,7 @@ def test_lite_preset_is_deepseek_v2_lite_in_both_config_forms(tmp_path):
     with torch.device("meta"):
         model = DeepseekV2ForCausalLM(cfg)
     assert abs(sum(p.numel() for p in model.parameters()) / 15.7e9 - 1) < 0.005
-    assert abs(model.model.layers[0].self_attn.scale - 0.11472) < 1e-5
+    assert abs(model.layers[0].self_attn.scale - 0.11472) < 1e-5
 
 
 def test_tiny_preset_starts_near_uniform():

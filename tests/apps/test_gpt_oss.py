@@ -130,7 +130,7 @@ def test_mxfp4_experts_load_as_the_same_model_as_bf16(tmp_path):
                 return rank_experts.hf_views("model.layers.1.mlp.experts")
         load_hf_weights(RankModel(), directory)
         for name, param in rank_experts.named_parameters():
-            assert torch.equal(param, quantized.model.layers[1].mlp.experts.get_parameter(name)[3:]), name
+            assert torch.equal(param, quantized.layers[1].mlp.experts.get_parameter(name)[3:]), name
 
 
 def test_export_then_import_is_bit_exact_and_transformers_reproduces_our_logits(gpt_oss_dir, tmp_path):

@@ -114,4 +114,4 @@ def test_a_rank_reads_only_the_tensors_it_holds(qwen3_dir, tmp_path, monkeypatch
     assert all(torch.equal(view, full_views[name]) for name, view in held.items()) and len(held) == 9
     index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())["weight_map"]
     assert sorted(opened) == sorted({index[name] for name in held}) and len(set(index.values())) > len(opened)
-    assert rank.model.layers[0].mlp.experts.gate_up_proj.abs().sum() == 0   # layer 0 was not touched
+    assert rank.layers[0].mlp.experts.gate_up_proj.abs().sum() == 0   # layer 0 was not touched

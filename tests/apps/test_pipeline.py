@@ -1,6 +1,7 @@
 """DualPipeV's pipeline (pith_engine.dualpipev.Pipeline) against the single-process run of the same micro-batches:
-every pipeline rank builds the whole model from one seed and runs its two chunks; the step's loss (at rank 0)
-and every gradient of the layers a rank holds match the sequential run's, aux losses on."""
+every pipeline rank builds only its two chunks' layers (held_layers) from the seed the whole reference model
+is drawn from; the step's loss (at rank 0) and every gradient a rank holds match the sequential run's, aux
+losses on."""
 import pytest
 import torch
 
@@ -9,20 +10,20 @@ from distributed import run_on_processes
 from pith_apps.config import read_json
 from pith_apps.options import MODELS, PRESETS
 from pith_engine.data_parallel import ComputeCasts
-from pith_engine.dualpipev import Pipeline, chunk_layers
+from pith_engine.dualpipev import Pipeline, chunk_layers, held_layers
 from pith_engine.parallel import LayoutError, Parallel
 
 SEQ = 16
 
 
-def tiny(family, parallel, micro_batches):
-    """The tiny preset with 2 layers per pipeline chunk (DeepSeek-V2's first dense)."""
+def tiny(family, parallel, micro_batches, held=None):
+    """The tiny preset with 2 layers per pipeline chunk (DeepSeek-V2's first dense); held: its layers built."""
     config_cls, model_cls = MODELS[family]
     layers = 4 * parallel.pp
     data = read_json(PRESETS / f"{family}_tiny.json") | {"num_hidden_layers": layers, "initializer_range": 0.2}
     if family == "gpt_oss":
         data["layer_types"] = ["sliding_attention", "full_attention"] * (layers // 2)
-    model = model_cls(config_cls.from_dict(data), parallel, micro_batches=micro_batches)
+    model = model_cls(config_cls.from_dict(data), parallel, micro_batches=micro_batches, held_layers=held)
     model.init_weights(seed=4)
     return model
 
@@ -38,37 +39,37 @@ def micro_batches(vocab, count, data_rank):
     return batches
 
 
-def held_names(model, pp, rank):
-    """The parameters of this rank's chunks r and 2pp-1-r, with the embedding and the head on rank 0."""
-    chunks = chunk_layers(len(model.layers), pp)
+def held_names(names, pp, rank):
+    """Of the whole model's parameter names, those of rank's chunks r and 2pp-1-r, embedding and head on rank 0."""
+    chunks = chunk_layers(4 * pp, pp)
     layers = {n for chunk in (rank, 2 * pp - 1 - rank) for n in chunks[chunk]}
-    return {name for name, _ in model.named_parameters()
-            if (name.startswith("model.layers.") and int(name.split(".")[2]) in layers)
+    return {name for name in names if (name.startswith("model.layers.") and int(name.split(".")[2]) in layers)
             or (rank == 0 and not name.startswith("model.layers."))}
 
 
-def check_against_sequential(family, parallel, count, mixed=False):
-    """mixed: fp32 master weights computing in bf16 copies (one-process mixed precision, ComputeCasts)."""
-    model = tiny(family, parallel, count)
-    if mixed:
-        ComputeCasts(torch.bfloat16).register(model)
-    batches = micro_batches(model.config.vocab_size, count, parallel.data_rank)
-    tokens = sum((labels != -100).sum() for _, labels, _ in batches)
+def sequential_run(model, batches, tokens):
     expected = torch.zeros(())
     for ids, labels, docs in batches:
         loss = model.loss_sum(ids, labels, docs) / tokens
         loss.backward()
         expected += loss.detach()
-    reference = {name: param.grad.clone() for name, param in model.named_parameters()}
-    model.zero_grad(set_to_none=True)
-    loss = Pipeline(model, parallel, torch.bfloat16 if mixed else torch.float32).step(batches, tokens)
-    rank = parallel.coords["pp"]
-    held = held_names(model, parallel.pp, rank)
-    for name, param in model.named_parameters():
-        if name in held:
-            assert relative_error(param.grad, reference[name]) < 1e-5, (family, rank, name)
-        else:
-            assert param.grad is None, (family, rank, name)
+    return expected, {name: param.grad for name, param in model.named_parameters()}
+
+
+def check_against_sequential(family, parallel, count, mixed=False):
+    """mixed: fp32 master weights computing in bf16 copies (one-process mixed precision, ComputeCasts)."""
+    rank, chunks = parallel.coords["pp"], chunk_layers(4 * parallel.pp, parallel.pp)
+    reference, model = tiny(family, parallel, count), tiny(family, parallel, count, held_layers(chunks, rank))
+    for built in (reference, model) if mixed else ():
+        ComputeCasts(torch.bfloat16).register(built)
+    batches = micro_batches(model.config.vocab_size, count, parallel.data_rank)
+    tokens = sum((labels != -100).sum() for _, labels, _ in batches)
+    expected, grads = sequential_run(reference, batches, tokens)
+    loss = Pipeline(model, parallel, torch.bfloat16 if mixed else torch.float32, chunks).step(batches, tokens)
+    held = dict(model.named_parameters())
+    assert set(held) == held_names(grads, parallel.pp, rank), (family, rank)
+    for name, param in held.items():
+        assert relative_error(param.grad, grads[name]) < 1e-5, (family, rank, name)
     if rank == 0:
         assert abs(loss - expected) < 1e-6 * expected, family
 

@@ -92,7 +92,7 @@ def test_aux_loss_gradient_reaches_the_router(monkeypatch):
     cfg, model = tiny_model(router_aux_loss_coef=0.5)
     ids = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(2))
     (model.loss_sum(ids, ids) / ids.numel()).backward()
-    attached = model.model.layers[0].mlp.gate.weight.grad.clone()
+    attached = model.layers[0].mlp.gate.weight.grad.clone()
 
     cfg0, model0 = tiny_model(router_aux_loss_coef=0.0)
     aux = []
@@ -104,7 +104,7 @@ def test_aux_loss_gradient_reaches_the_router(monkeypatch):
     monkeypatch.setattr(LoadBalance, "attach_loss", record)
     ce = model0.loss_sum(ids, ids) / ids.numel()
     (ce + 0.5 * sum(aux)).backward()
-    assert relative_error(attached, model0.model.layers[0].mlp.gate.weight.grad) < 1e-6
+    assert relative_error(attached, model0.layers[0].mlp.gate.weight.grad) < 1e-6
     assert aux[0].item() > 0
 
 

@@ -156,7 +156,7 @@ def test_layers_cuts_a_real_preset_to_its_first_layers(model, preset):
     if model == "gpt_oss":
         assert cut.layer_types == full.layer_types[:4]
     with torch.device("meta"):   # the real width, without allocating it
-        layers = train_app.MODELS[model][1](cut).model.layers
+        layers = train_app.MODELS[model][1](cut).layers.values()
     assert len(layers) == 4 and sum(layer.is_moe for layer in layers) == 4 - (model == "deepseek_v2")
 
 
@@ -214,7 +214,7 @@ def test_run_config_file_sets_the_flags_and_the_command_line_overrides_it(tmp_pa
 
 
 @pytest.mark.parametrize("toml,argv,named", [
-    ('stepz = 5', ["qwen3"], "--run-config RUN: unknown key 'stepz'; valid keys: balance, batch-size, clip, "),
+    ('stepz = 5', ["qwen3"], "--run-config RUN: unknown key 'stepz'; valid keys: balance, batch-size, chunk-layers, clip, "),
     ('steps = "5"', ["qwen3"], "--run-config RUN: 'steps' = '5' must be an integer"),
     ('resume = 1', ["qwen3"], "--run-config RUN: 'resume' = 1 must be true or false"),
     ('dtype = "fp16"', ["qwen3"], "--run-config RUN: 'dtype' = 'fp16' is not one of float32, bfloat16"),

@@ -99,7 +99,7 @@ def test_the_app_step_drops_the_bf16_copies_before_its_last_backward():
     model = build_model(MODELS["qwen3"][1], model_config(args), parallel, device, torch.bfloat16, 0, SEQ,
                         micro_batches=2)
     # one process, several micro-batches: the experts pair their weight gradients through the step's WgradPairs
-    assert all(layer.mlp.experts.wgrad_pairs is model.wgrad_pairs is not None for layer in model.model.layers
+    assert all(layer.mlp.experts.wgrad_pairs is model.wgrad_pairs is not None for layer in model.layers.values()
                if layer.is_moe)
     kept, freed = [], []   # copies kept during each micro-batch's backward; copies alive after the step
     model.model.norm.register_full_backward_pre_hook(lambda module, grad: kept.append(len(model.compute_casts.copies)))
@@ -246,7 +246,7 @@ def test_accumulated_micro_batches_give_the_gradient_of_the_whole_step(family, m
         (model.loss_sum(ids[start:start + rows], labels[start:start + rows]) / labels.numel()).backward()
 
     records = []
-    for layer in reference.model.layers:
+    for layer in reference.layers.values():
         if layer.is_moe:
             balance = layer.balance
             balance.attach_loss = lambda hidden, probs, expert_ids, sequences: records.append((probs, expert_ids)) or hidden
@@ -297,7 +297,7 @@ def group_limited_config():
 
 def test_aux_free_bias_never_routes_to_an_expert_of_a_masked_group():
     model = DeepseekV2ForCausalLM(group_limited_config(), balance="aux_free")
-    layer = next(layer for layer in model.model.layers if layer.is_moe)
+    layer = next(layer for layer in model.layers.values() if layer.is_moe)
     scores = torch.softmax(torch.randn(512, 8, generator=torch.Generator().manual_seed(0)), dim=-1)
     layer.balance.expert_bias.copy_(torch.tensor([5.0, 5.0, 0, 0, 0, 0, 0, 0]))   # group 0 made most attractive
     expert_ids, weights = layer.route(scores)

@@ -142,7 +142,7 @@ def test_a_closure_gives_the_gradients_and_the_loss_as_in_torch(use_kernel):
 
 def without_experts(model: torch.nn.Module) -> torch.nn.Module:
     """A toy model as the checkpoint reads models (pith_engine.contract.MoeModel): decoder layers, none MoE."""
-    model.layers = ()
+    model.layers = {}
     return model
 
 

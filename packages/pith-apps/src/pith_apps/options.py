@@ -3,6 +3,7 @@ checks, and the Hugging Face config a run's model is built from."""
 import argparse
 import json
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -83,10 +84,13 @@ def build_parser() -> argparse.ArgumentParser:
         "CUDA; CUDA and one process only).")
     add("--balance", help="Expert load balancing: " + ", ".join(BALANCE_MODES) + " (default: the family's own, "
         "sequence for DeepSeek-V2 with seq_aux, else global_batch).")
-    for dim, meaning in (("dp", "data (FSDP2)"), ("ep", "expert"), ("pp", "pipeline (validated, not built yet)"),
+    for dim, meaning in (("dp", "data (FSDP2)"), ("ep", "expert"), ("pp", "pipeline (DualPipeV)"),
                          ("cp", "context (validated, not built yet)")):
         add(f"--{dim}", type=int, default=1, help=f"The {meaning}-parallel size; the product of the four sizes "
             "must be the number of processes (default: 1).")
+    add("--chunk-layers", help="With --pp P: the decoder layers of each of the 2P pipeline chunks, comma-separated "
+        "(pipeline rank r holds chunks r and 2P-1-r; default: as even as possible, the spare layers nearest the "
+        "turn of the V).")
     add("--save-every", type=int, default=100, help="Checkpoint every N steps and at the end; 0 saves nothing, for "
         "a measurement rather than a run to keep (default: 100).")
     add("--resume", action="store_true", help="Continue from the newest checkpoint in <out>/checkpoints.")
@@ -179,6 +183,9 @@ def check_args(args):
             f"unknown --device '{args.device}'; valid: cpu, cuda, cuda:N")
     require(not args.device.startswith("cuda") or torch.cuda.is_available(),
             f"--device {args.device} asked for, but torch sees no CUDA device; use --device cpu")
+    require(args.chunk_layers is None or re.fullmatch(r"\d+(,\d+)*", args.chunk_layers) and args.pp > 1,
+            f"--chunk-layers={args.chunk_layers!r} must be comma-separated layer counts (e.g. 2,3,3,2), with --pp > 1 "
+            f"(here --pp {args.pp})")
     processes = args.dp * args.ep * args.pp * args.cp
     require(not args.cuda_graph or (args.device != "cpu" and processes == 1), f"--cuda-graph needs CUDA and one "
             f"process (here --device {args.device}, {processes} processes); leave it out or use --no-cuda-graph")

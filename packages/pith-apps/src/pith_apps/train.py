@@ -29,6 +29,7 @@ from pith_apps.run_log import RunLog
 from pith_engine.compile import compile_stages
 from pith_engine.contract import check_model, moe_layers
 from pith_engine.cuda_graph import CaptureError, StepGraph
+from pith_engine.dualpipev import Pipeline, chunk_layers, held_layers, schedule
 from pith_engine.data_parallel import drop_compute_copies, grad_norm, local_part, pair_expert_wgrads, shard_model
 from pith_engine.moe import update_expert_bias
 from pith_engine.optim import adamw, clipped_step, lr_at
@@ -101,9 +102,11 @@ def layout(args) -> tuple[Parallel, torch.device]:
             torch.cuda.set_device(device)   # Triton launches, streams and graphs use the current device
         device = torch.device("cuda", torch.cuda.current_device())
     parallel = Parallel.build(args.pp, args.dp, args.cp, args.ep, device.type)
-    if parallel.pp > 1 or parallel.cp > 1:
-        raise LayoutError(f"--pp={parallel.pp} / --cp={parallel.cp}: pipeline and context parallelism are not built "
-                          "yet; use --pp 1 --cp 1")
+    if parallel.cp > 1:
+        raise LayoutError(f"--cp={parallel.cp}: context parallelism is not built yet; use --cp 1")
+    if parallel.pp > 1 and parallel.world > parallel.pp:
+        raise LayoutError(f"--pp={parallel.pp} with --dp={parallel.dp} --ep={parallel.ep}: the pipeline runs alone for "
+                          "now (FSDP and expert parallelism under it are not built yet); use --dp 1 --ep 1")
     if args.batch_size % parallel.data_ranks:
         raise LayoutError(f"--batch-size={args.batch_size} cannot be split over dp x ep = {parallel.data_ranks} data "
                           f"ranks; choose a multiple of {parallel.data_ranks}")
@@ -112,16 +115,20 @@ def layout(args) -> tuple[Parallel, torch.device]:
         raise LayoutError(f"--micro-batch-size={args.micro_batch_size} does not divide the {share} sequences of each "
                           f"data rank (--batch-size={args.batch_size} over {parallel.data_ranks} data ranks); choose a "
                           f"divisor of {share}")
+    if parallel.pp > 1:
+        schedule(parallel.pp, share // micro_batch_size(args, parallel), 0)   # enough micro-batches, or LayoutError
     return parallel, device
 
 
 def build_model(model_cls, cfg, parallel: Parallel, device: torch.device, dtype: torch.dtype, seed: int,
-                seq_len: int, balance: str | None = None, micro_batches: int = 1):
+                seq_len: int, balance: str | None = None, micro_batches: int = 1, held: list[int] | None = None):
     """The model for this rank's share of the layout, computing in dtype with fp32 master weights: built on the
-    meta device, checked against the layout, sharded, then materialized on `device` and initialized there, so
-    a rank allocates only what it holds (plus one full tensor at a time while drawing it), nothing on the host."""
+    meta device (only the `held` layers: a pipeline rank's), checked against the layout, sharded, then
+    materialized on `device` and initialized there, so a rank allocates only what it holds (plus one full tensor
+    at a time while drawing it), nothing on the host."""
     with torch.device("meta"):
-        model = model_cls(cfg, parallel, **({"balance": balance} if balance else {}), micro_batches=micro_batches)
+        model = model_cls(cfg, parallel, **({"balance": balance} if balance else {}), micro_batches=micro_batches,
+                          held_layers=held)
     check_model(model)
     moe = moe_layers(model)
     require(moe, f"all {cfg.num_hidden_layers} layers of the model are dense, none MoE; raise --layers")
@@ -154,8 +161,15 @@ def train_on(args, cfg, parallel: Parallel, device: torch.device, data, folder, 
     torch.manual_seed(args.seed)   # the global generators (CPU and CUDA, checkpointed) start alike in every run
     micro_batches = args.batch_size // (micro_batch_size(args, parallel) * parallel.data_ranks)
     dtype = DTYPES[args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
+    pipeline, held = None, None
+    if parallel.pp > 1:
+        chunks = chunk_layers(cfg.num_hidden_layers, parallel.pp,
+                              args.chunk_layers and [int(n) for n in args.chunk_layers.split(",")])
+        held = held_layers(chunks, parallel.coords["pp"])
     model = build_model(MODELS[args.model][1], cfg, parallel, device, dtype, args.seed, args.seq_len, args.balance,
-                        micro_batches)
+                        micro_batches, held)
+    if parallel.pp > 1:
+        pipeline = Pipeline(model, parallel, dtype, chunks)
     if args.init and not resume_from:   # a resumed run's weights come from its checkpoint
         init_from_hf(args, parallel, model, folder)
     if args.compile if args.compile is not None else device.type == "cuda":
@@ -171,7 +185,7 @@ def train_on(args, cfg, parallel: Parallel, device: torch.device, data, folder, 
     progress = make_progress(start, args) if lead else lambda loss, tokens_per_s: None
     hf_config, peak = hf_config_data(args), args.peak_tflops or peak_tflops(device)
     flops = flops_per_token(hf_config, args.seq_len)   # per token of training, for the MFU
-    saved_meta = dict(run=run_id, config=config_dict(cfg), layout=dict(dp=parallel.dp, ep=parallel.ep),
+    saved_meta = dict(run=run_id, config=config_dict(cfg), layout=dict(pp=parallel.pp, dp=parallel.dp, ep=parallel.ep),
                       model=args.model, hf_config=hf_config, tokenizer=args.tokenizer)
     export_checkpoint = args.export_hf and parallel.world > 1   # several processes export from the last checkpoint
     with StopSignals() as signals, RunLog(folder.tb, start, lead, args.image_every) as log:
@@ -182,7 +196,7 @@ def train_on(args, cfg, parallel: Parallel, device: torch.device, data, folder, 
                 group["lr"] = lr
             input_ids, labels = batch_at(stream, step, args.seed, args.batch_size, args.seq_len)
             loss_value, norm, stop, routing = train_step(args, parallel, device, model, optimizer, step + 1, input_ids,
-                                                         labels, signals.asked is not None, graph)
+                                                         labels, signals.asked is not None, graph, pipeline)
             tokens_per_s = args.batch_size * args.seq_len / (time.perf_counter() - tic)
             losses.append(loss_value)
             speeds.append(tokens_per_s)
@@ -193,7 +207,7 @@ def train_on(args, cfg, parallel: Parallel, device: torch.device, data, folder, 
                 scalars["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
             log.step(step + 1, scalars, routing, last=step + 1 == args.steps or stop)
             if args.eval_every and ((step + 1) % args.eval_every == 0 or step + 1 == args.steps):
-                evals.append(evaluate(args, parallel, device, model, held_out))
+                evals.append(evaluate(args, parallel, device, model, held_out, pipeline))
                 log.eval(step + 1, evals[-1])
             progress(loss_value, tokens_per_s)
             if (args.save_every and ((step + 1) % args.save_every == 0 or step + 1 == args.steps or stop)
@@ -222,9 +236,9 @@ def train_on(args, cfg, parallel: Parallel, device: torch.device, data, folder, 
 
 
 def train_step(args, parallel: Parallel, device, model, optimizer, number: int, input_ids, labels, stop_asked: bool,
-               graph: StepGraph | None = None):
+               graph: StepGraph | None = None, pipeline: Pipeline | None = None):
     """Optimizer step `number` (from 1) on a global batch, its micro-batches' gradients accumulated (through `graph`,
-    a StepGraph of gradient_step, when given). Returns the step's loss, the gradient norm before the clip, whether
+    a StepGraph of gradient_step, when given; through `pipeline` on several pipeline ranks). Returns the step's loss, the gradient norm before the clip, whether
     any rank was asked to stop (the same on every rank) and the step's routing (update_expert_bias); ConfigError
     when the loss or the gradients are not finite, the update skipped (before anything is saved). The learning rate
     is the optimizer's groups' (train_on sets one for all), passed in as a tensor so that a replay follows it."""
@@ -232,11 +246,14 @@ def train_step(args, parallel: Parallel, device, model, optimizer, number: int, 
     if device.type == "cuda":   # copies that do not wait: a blocking one waits for the GPU to drain
         input_ids, labels, lr = (t.pin_memory().to(device, non_blocking=True) for t in (input_ids, labels, lr))
     try:
-        loss, norm = (graph or functools.partial(gradient_step, args, parallel, model, optimizer))(input_ids, labels, lr)
+        loss, norm = (graph or functools.partial(gradient_step, args, parallel, model, optimizer, pipeline=pipeline))(
+            input_ids, labels, lr)
     except CaptureError as err:
         raise ConfigError(f"step {number}: {err}; nothing of this step was saved: run again with --no-cuda-graph "
                           "(and --resume to continue from the last checkpoint, or --overwrite to start over)") from None
     routing = update_expert_bias(model)
+    if parallel.pp > 1:
+        routing = whole_model_routing(parallel, model, routing)
     totals = torch.stack([loss, torch.tensor(float(stop_asked), device=device)])
     if parallel.world > 1:   # one all-reduce: losses add up over data ranks, a stop asked of any rank shows
         dist.all_reduce(totals)
@@ -257,13 +274,17 @@ def step_graph(args, parallel: Parallel, device, model, optimizer) -> StepGraph 
     return None
 
 
-def gradient_step(args, parallel: Parallel, model, optimizer, input_ids, labels, lr):
-    """What a step does on the device: each micro-batch's forward and backward, the clip and the update at learning
-    rate lr (a 0-dim tensor); returns the loss and the gradient norm before the clip, as device tensors. It never
-    waits for the host, so that a CUDA graph can capture it (StepGraph)."""
+def gradient_step(args, parallel: Parallel, model, optimizer, input_ids, labels, lr, pipeline: Pipeline | None = None):
+    """What a step does on the device: each micro-batch's forward and backward (in DualPipeV order through
+    `pipeline`, the loss then on pipeline rank 0 alone), the clip and the update at learning rate lr (a 0-dim
+    tensor); returns the loss and the gradient norm before the clip, as device tensors. It never waits for the
+    host, so that a CUDA graph can capture it (StepGraph)."""
     tokens = (labels != -100).sum()   # of the global batch: each micro-batch's loss is its share of the mean
     loss = torch.zeros((), device=input_ids.device)
     micro_batches = list(micro_batches_of(args, parallel, input_ids, labels))
+    if pipeline is not None:
+        loss = pipeline.step([(ids, targets, documents_of(args, ids)) for ids, targets in micro_batches], tokens)
+        micro_batches = []
     for index, (ids, targets) in enumerate(micro_batches, 1):
         micro_loss = model.loss_sum(ids, targets, documents_of(args, ids)) / tokens
         if index == len(micro_batches):
@@ -295,18 +316,35 @@ def documents_of(args, ids):
 
 
 @torch.no_grad()
-def evaluate(args, parallel: Parallel, device, model, held_out) -> float:
-    """Mean loss per token over the held-out batches, the same on every rank (each data rank its rows)."""
+def evaluate(args, parallel: Parallel, device, model, held_out, pipeline: Pipeline | None = None) -> float:
+    """Mean loss per token over the held-out batches, the same on every rank (each data rank its rows; through
+    `pipeline`, each sum on pipeline rank 0)."""
     totals = torch.zeros(2, device=device)
+    counts = parallel.coords["pp"] == 0   # where the loss is
     for index in range(args.eval_batches):
         input_ids, labels = held_out_batch(held_out, index, args.batch_size, args.seq_len)
         for ids, targets in micro_batches_of(args, parallel, input_ids.to(device), labels.to(device)):
-            totals[0] += model.loss_sum(ids, targets, documents_of(args, ids))
-            totals[1] += (targets != -100).sum()
+            docs = documents_of(args, ids)
+            totals[0] += pipeline.loss_sum(ids, targets, docs) if pipeline else model.loss_sum(ids, targets, docs)
+            totals[1] += (targets != -100).sum() * counts
     drop_compute_copies(model)   # a replayed step (StepGraph) updates the weights without the hook that drops them
     if parallel.world > 1:
         dist.all_reduce(totals)
     return (totals[0] / totals[1]).item()
+
+
+def whole_model_routing(parallel: Parallel, model, routing):
+    """A pipeline rank's routing (update_expert_bias: loads of its MoE layers, their aux loss; None without MoE
+    layers) joined with the other pipeline ranks' into the whole model's, layers in model order."""
+    numbers = [n for n, layer in model.layers.items() if layer.is_moe]
+    parts = [None] * parallel.pp
+    dist.all_gather_object(parts, (numbers, *(t.cpu() for t in routing)) if routing else None, group=parallel.group("pp"))
+    parts = [part for part in parts if part is not None]
+    if not parts:
+        return None
+    order = torch.tensor([n for part in parts for n in part[0]]).argsort()
+    device = next(model.parameters()).device
+    return torch.cat([part[1] for part in parts])[order].to(device), sum(part[2] for part in parts).to(device)
 
 
 def init_from_hf(args, parallel: Parallel, model, folder):

@@ -15,7 +15,7 @@ from pith_engine.contract import MoeModel
 
 def compile_stages(model: MoeModel) -> MoeModel:
     """Compile, in place, the dense stages of model.layers; returns the model."""
-    for layer in model.layers:
+    for layer in model.layers.values():
         if layer.is_moe:
             layer.attention_stage = torch.compile(layer.attention_stage, fullgraph=True, dynamic=False)
         else:

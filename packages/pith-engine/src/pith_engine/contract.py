@@ -48,7 +48,7 @@ class MoeLayer(Protocol):
 class MoeModel(Protocol):
     """A causal LM: embed -> each of `layers` with the same layer_args -> head_loss_sum. loss_sum runs all of
     it in one call of the model (the entry point that mixed precision and FSDP hook)."""
-    layers: nn.ModuleList
+    layers: dict[int, nn.Module]   # the decoder layers this process holds (a pipeline rank: its chunks'), by number
     hidden_size: int      # of the hidden states between layers
     wgrad_pairs: object   # the WgradPairs its step flushes after the last backward (pith_engine.data_parallel)
 
@@ -65,7 +65,7 @@ class MoeModel(Protocol):
 
 
 def moe_layers(model: MoeModel) -> list[MoeLayer]:
-    return [layer for layer in model.layers if layer.is_moe]
+    return [layer for layer in model.layers.values() if layer.is_moe]
 
 
 def expert_stacks(model: MoeModel) -> dict[str, ExpertStack]:
@@ -77,7 +77,7 @@ def expert_stacks(model: MoeModel) -> dict[str, ExpertStack]:
 def check_model(model) -> None:
     """TypeError naming the first part of the contract `model` does not meet."""
     _require(model, MoeModel, type(model).__name__)
-    for n, layer in enumerate(model.layers):
+    for n, layer in model.layers.items():
         _require(layer, MoeLayer if getattr(layer, "is_moe", False) else DenseLayer, f"layer {n} ({type(layer).__name__})")
         if layer.is_moe:
             _require(layer.experts, ExpertStack, f"layer {n}'s experts ({type(layer.experts).__name__})")

@@ -28,12 +28,13 @@ from pith_ops.grouped_gemm import WgradPairs
 def shard_model(model: MoeModel, parallel: Parallel, param_dtype: torch.dtype | None = None) -> MoeModel:
     """Make the fp32 `model` compute in param_dtype (None: in fp32) on this layout, in place. Several
     processes: FSDP2, bottom-up: each layer's experts, each decoder layer, then the root (embedding, final norm,
-    LM head), whose forward (logits, or the loss with labels) gathers and frees the weights. One process: the
-    casts of ComputeCasts. Works on a model still on the meta device (then to_empty, then init_weights)."""
+    LM head), whose forward (logits, or the loss with labels) gathers and frees the weights. One process, or
+    pipeline ranks alone (each holds its own layers, nothing to shard): the casts of ComputeCasts. Works on a
+    model still on the meta device (then to_empty, then init_weights)."""
     if any(p.dtype != torch.float32 for p in model.parameters()):
         raise TypeError(f"shard_model takes a float32 model (the master weights), not {next(model.parameters()).dtype}; "
                         "param_dtype sets the compute dtype")
-    if parallel.world == 1:
+    if parallel.world == parallel.pp:
         if param_dtype not in (None, torch.float32):
             ComputeCasts(param_dtype).register(model)
         return model
@@ -41,7 +42,7 @@ def shard_model(model: MoeModel, parallel: Parallel, param_dtype: torch.dtype | 
     from torch.distributed.tensor import Shard
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     expert_mesh, dense_mesh = parallel.mesh_over("dp", "cp"), parallel.mesh_over("dp", "cp", "ep")
-    for layer in model.layers:
+    for layer in model.layers.values():
         if layer.is_moe:   # rows (dim 1), so that each expert's slice of the stack is itself a row shard
             fully_shard(layer.experts, mesh=expert_mesh, mp_policy=policy, shard_placement_fn=lambda p: Shard(1))
         fully_shard(layer, mesh=dense_mesh, mp_policy=policy)

@@ -9,11 +9,11 @@ and in order. A backward may leave its weight gradients for a later W step (zero
 one left. Two steps in one tuple are an overlapped pair: one micro-batch's forward interleaved with another's
 backward, so that each one's communication hides behind the other's computation.
 
-`Pipeline` runs the schedule: a rank's two chunks (its layers from `chunk_layers`, read through the engine's
-model contract) forward and backward, activations and their gradients sent to the neighbouring ranks. Not yet:
-the overlap inside a pair (its forward, then its backward), deferred weight gradients (a W step does nothing),
-building only the held layers, FSDP under the pipeline (one-process mixed precision, ComputeCasts, runs), the
-app's --pp.
+`Pipeline` runs the schedule: a rank's two chunks (its layers from `chunk_layers`; a model built with only
+`held_layers`, read through the engine's model contract) forward and backward, activations and their
+gradients sent to the neighbouring ranks. Not yet: the overlap inside a pair (its forward, then its
+backward), deferred weight gradients (a W step does nothing), FSDP under the pipeline (one-process mixed
+precision, ComputeCasts, runs).
 
 Run `python -m pith_engine.dualpipev --pp 4 --micro-batches 10` to print each rank's timeline and bubble.
 """
@@ -155,6 +155,11 @@ def chunk_layers(num_layers: int, pp: int, sizes: list[int] | None = None) -> li
     return [range(start, start + size) for start, size in zip(starts, sizes)]
 
 
+def held_layers(chunks: list[range], rank: int) -> list[int]:
+    """The layers pipeline rank `rank` holds: those of its chunks rank and 2pp-1-rank (chunks: chunk_layers)."""
+    return [*chunks[rank], *chunks[len(chunks) - 1 - rank]]
+
+
 def sends(pp: int, micro_batches: int, rank: int) -> list[tuple[int, tuple]]:
     """(pipeline rank, message) for each send of this rank in order; a message is named by the step that
     sends it, (kind, phase, micro-batch). The turn of the V (rank P-1) and the ends (the embedding's backward,
@@ -172,12 +177,16 @@ class Pipeline:
     messages between two ranks match in order, not by name. Weight gradients are not deferred yet: a
     backward computes them, a W step does nothing."""
 
-    def __init__(self, model: MoeModel, parallel: Parallel, dtype: torch.dtype, layers_per_chunk: list[int] | None = None):
+    def __init__(self, model: MoeModel, parallel: Parallel, dtype: torch.dtype, chunks: list[range]):
+        """chunks: the layers of each of the 2pp chunks (chunk_layers); the model holds at least this rank's."""
         self.model, self.pp, self.rank, self.dtype = model, parallel.pp, parallel.coords["pp"], dtype
         self.group = parallel.group("pp")
         self.chunks = (self.rank, 2 * self.pp - 1 - self.rank)
-        ranges = chunk_layers(len(model.layers), self.pp, layers_per_chunk)
-        self.layers = [[model.layers[n] for n in ranges[chunk]] for chunk in self.chunks]
+        missing = sorted(set(held_layers(chunks, self.rank)) - set(model.layers))
+        if len(chunks) != 2 * self.pp or missing:
+            raise LayoutError(f"pipeline rank {self.rank} of pp={self.pp} runs chunks {self.chunks} of {len(chunks)}, "
+                              f"but the model lacks their layers {missing}: build it with held_layers(chunks, rank)")
+        self.layers = [[model.layers[n] for n in chunks[chunk]] for chunk in self.chunks]
         self.peers = {r: dist.get_global_rank(self.group, r) for r in (self.rank - 1, self.rank + 1)
                       if 0 <= r < self.pp} if self.group is not None else {}
 
@@ -214,6 +223,28 @@ class Pipeline:
         else:
             self.give(step, i, x.detach())
         self.kept[step.phase, i] = (None if chunk == 0 else inp, x)
+
+    @torch.no_grad()
+    def loss_sum(self, input_ids, labels, docs=None) -> torch.Tensor:
+        """One micro-batch's forward alone, chunk after chunk along the V (for evaluation: nothing overlaps); the
+        token-summed loss on rank 0, 0 elsewhere."""
+        holder = [min(chunk, 2 * self.pp - 1 - chunk) for chunk in range(2 * self.pp)]
+        x = loss = torch.zeros((), device=input_ids.device)
+        with compute_copies(self.model):
+            for chunk in (c for c in range(2 * self.pp) if holder[c] == self.rank):
+                if chunk == 0:
+                    x = self.model.embed(input_ids)
+                elif holder[chunk - 1] != self.rank:
+                    x = torch.empty(*input_ids.shape, self.model.hidden_size, dtype=self.dtype, device=input_ids.device)
+                    dist.recv(x, self.peers[holder[chunk - 1]], self.group)
+                layer_args = self.model.layer_args(input_ids, docs, x.dtype)
+                for layer in self.layers[self.chunks.index(chunk)]:
+                    x = layer(x, *layer_args)
+                if chunk == 2 * self.pp - 1:
+                    loss = self.model.head_loss_sum(x, labels)
+                elif holder[chunk + 1] != self.rank:
+                    dist.send(x, self.peers[holder[chunk + 1]], self.group)
+        return loss
 
     def backward(self, step: Step, i: int):
         inp, out = self.kept.pop((step.phase, i))

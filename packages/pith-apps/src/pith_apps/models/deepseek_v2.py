@@ -233,11 +233,13 @@ class DeepseekV2DecoderLayer(MoeDecoderLayer):
 
 class DeepseekV2ForCausalLM(CausalLM):
     def __init__(self, cfg: DeepseekV2Config, parallel: Parallel = Parallel(), balance: str | None = None,
-                 micro_batches: int = 1):
+                 micro_batches: int = 1, held_layers=None):
         """balance None: DeepSeek's own choice, a sequence-level loss when cfg.seq_aux, else global_batch.
-        micro_batches: per data rank per optimizer step, which the aux losses are averaged over."""
-        super().__init__(cfg, (DeepseekV2DecoderLayer(cfg, n >= cfg.first_k_dense_replace, parallel, balance, micro_batches)
-                               for n in range(cfg.num_hidden_layers)), RMSNorm(cfg.hidden_size, cfg.rms_norm_eps))
+        micro_batches: per data rank per optimizer step, which the aux losses are averaged over. held_layers:
+        the layer numbers this process builds (CausalLM)."""
+        super().__init__(cfg, lambda n: DeepseekV2DecoderLayer(cfg, n >= cfg.first_k_dense_replace, parallel, balance,
+                                                               micro_batches),
+                         RMSNorm(cfg.hidden_size, cfg.rms_norm_eps), held_layers)
 
     def layer_args(self, input_ids, docs, dtype):
         return (*rotary_tables(self.config, token_positions(input_ids, docs), dtype), docs)

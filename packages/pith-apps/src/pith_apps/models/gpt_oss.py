@@ -240,11 +240,11 @@ class GptOssDecoderLayer(MoeDecoderLayer):
 
 class GptOssForCausalLM(CausalLM):
     def __init__(self, cfg: GptOssConfig, parallel: Parallel = Parallel(), balance: str = "global_batch",
-                 micro_batches: int = 1):
-        """micro_batches: per data rank per optimizer step, which the aux losses are averaged over."""
-        super().__init__(cfg, (GptOssDecoderLayer(cfg, layer_type, parallel, balance, micro_batches)
-                               for layer_type in cfg.layer_types),
-                         RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, scale_in_fp32=True))
+                 micro_batches: int = 1, held_layers=None):
+        """micro_batches: per data rank per optimizer step, which the aux losses are averaged over. held_layers:
+        the layer numbers this process builds (CausalLM)."""
+        super().__init__(cfg, lambda n: GptOssDecoderLayer(cfg, cfg.layer_types[n], parallel, balance, micro_batches),
+                         RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, scale_in_fp32=True), held_layers)
 
     def layer_args(self, input_ids, docs, dtype):
         cfg = self.config

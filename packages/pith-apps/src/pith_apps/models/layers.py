@@ -201,12 +201,17 @@ class CausalLM(nn.Module):
     layers, a pith_engine.contract.MoeModel. A subclass passes in its own layers and final norm and writes
     layer_args (what its layers take after x)."""
 
-    def __init__(self, cfg, layers, norm: nn.Module):
+    def __init__(self, cfg, make_layer, norm: nn.Module, held_layers=None):
+        """make_layer(n): decoder layer n. held_layers: the layer numbers this process builds (a pipeline rank's
+        chunks; default all), the embedding with layer 0, the final norm and LM head with the last."""
         super().__init__()
         self.config = cfg
-        self.model = nn.ModuleDict(dict(embed_tokens=Embedding(cfg.vocab_size, cfg.hidden_size),
-                                        layers=nn.ModuleList(layers), norm=norm))
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        held = range(cfg.num_hidden_layers) if held_layers is None else sorted(held_layers)
+        last = cfg.num_hidden_layers - 1
+        trunk = dict(embed_tokens=Embedding(cfg.vocab_size, cfg.hidden_size)) if 0 in held else {}
+        trunk["layers"] = nn.ModuleDict({str(n): make_layer(n) for n in held})   # names as the files': layers.N.
+        self.model = nn.ModuleDict(trunk | (dict(norm=norm) if last in held else {}))
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if last in held else None
         self.wgrad_pairs = None   # pith_engine.data_parallel.pair_expert_wgrads
 
     @torch.no_grad()
@@ -235,8 +240,8 @@ class CausalLM(nn.Module):
             buffer.zero_()
 
     @property
-    def layers(self) -> nn.ModuleList:
-        return self.model.layers
+    def layers(self) -> dict[int, nn.Module]:
+        return {int(n): layer for n, layer in self.model.layers.items()}
 
     @property
     def hidden_size(self) -> int:
@@ -255,7 +260,7 @@ class CausalLM(nn.Module):
         token then attends to and counts positions within its own document only."""
         x = self.embed(input_ids)
         layer_args = self.layer_args(input_ids, docs, x.dtype)
-        for layer in self.model.layers:
+        for layer in self.model.layers.values():
             x = layer(x, *layer_args)
         if labels is None:
             return self.lm_head(self.model.norm(x))
@@ -270,6 +275,6 @@ class CausalLM(nn.Module):
         for name, param in self.named_parameters():
             if ".mlp.experts." not in name:
                 yield name, param
-        for n, layer in enumerate(self.model.layers):
+        for n, layer in self.layers.items():
             if hasattr(layer.mlp, "experts"):
                 yield from layer.mlp.experts.hf_views(f"model.layers.{n}.mlp.experts")

@@ -117,11 +117,11 @@ class Qwen3MoeDecoderLayer(MoeDecoderLayer):
 
 class Qwen3MoeForCausalLM(CausalLM):
     def __init__(self, cfg: Qwen3MoeConfig, parallel: Parallel = Parallel(), balance: str = "global_batch",
-                 micro_batches: int = 1):
-        """micro_batches: per data rank per optimizer step, which the aux losses are averaged over."""
-        super().__init__(cfg, (Qwen3MoeDecoderLayer(cfg, parallel, balance, micro_batches)
-                               for _ in range(cfg.num_hidden_layers)),
-                         RMSNorm(cfg.hidden_size, cfg.rms_norm_eps))
+                 micro_batches: int = 1, held_layers=None):
+        """micro_batches: per data rank per optimizer step, which the aux losses are averaged over. held_layers:
+        the layer numbers this process builds (CausalLM)."""
+        super().__init__(cfg, lambda n: Qwen3MoeDecoderLayer(cfg, parallel, balance, micro_batches),
+                         RMSNorm(cfg.hidden_size, cfg.rms_norm_eps), held_layers)
 
     def layer_args(self, input_ids, docs, dtype):
         positions = token_positions(input_ids, docs)
