@@ -14,9 +14,12 @@ from pith_engine.data_parallel import pair_expert_wgrads, shard_model
 from pith_engine.moe import run_moe_layer
 
 
-def tiny(family):
+def tiny(family, layers=None):
     config_cls, model_cls = MODELS[family]
-    model = model_cls(config_cls.from_dict(read_json(PRESETS / f"{family}_tiny.json")))
+    data = read_json(PRESETS / f"{family}_tiny.json")
+    if layers:
+        data |= {"num_hidden_layers": layers, "layer_types": ["sliding_attention", "full_attention"] * (layers // 2)}
+    model = model_cls(config_cls.from_dict(data))
     model.init_weights(seed=2)
     return model
 
@@ -37,16 +40,15 @@ def test_each_family_meets_the_contract_and_names_its_expert_stacks(family):
 
 @pytest.mark.parametrize("family", list(MODELS))
 def test_the_contract_pieces_in_order_give_the_models_loss(family):
-    """embed -> every layer with layer_args -> head_loss_sum: what a pipeline runs chunk by chunk, equal to
-    loss_sum (same fp32 ops on the CPU, so bit-equal)."""
-    model = tiny(family)
+    """The model's forward chunk by chunk (hidden states of layers 0-1, then layers 2-3 on them with the labels), as a
+    pipeline runs it, equals loss_sum (same fp32 ops on the CPU, so bit-equal); a chunk not ending the model
+    returns hidden states."""
+    model = tiny(family, layers=4)
     ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     labels = ids.roll(-1, 1)
-    x = model.embed(ids)
-    layer_args = model.layer_args(ids, None, x.dtype)
-    for layer in model.layers.values():
-        x = layer(x, *layer_args)
-    assert torch.equal(model.head_loss_sum(x, labels), model.loss_sum(ids, labels))
+    x = model(ids, labels, layers=[0, 1])
+    assert x.shape == (2, 16, model.hidden_size)
+    assert torch.equal(model(ids, labels, hidden=x, layers=[2, 3]), model.loss_sum(ids, labels))
 
 
 def test_a_model_that_misses_part_of_the_contract_is_named_with_what_it_lacks():
@@ -56,7 +58,7 @@ def test_a_model_that_misses_part_of_the_contract_is_named_with_what_it_lacks():
         model.model.layers["1"] = type("Plain", (torch.nn.Module,), {"is_moe": True})()
         check_model(model)
     with pytest.raises(TypeError, match=r"^Sequential is not a pith_engine MoeModel: it lacks layers, hidden_size, wgrad_pairs, "
-                                        r"embed, layer_args, head_loss_sum, loss_sum$"):
+                                        r"loss_sum$"):
         check_model(torch.nn.Sequential())
 
 

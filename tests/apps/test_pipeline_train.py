@@ -1,7 +1,7 @@
-"""The training app with --pp 2 (DualPipeV, 2 gloo processes, each building only its chunks' layers) against the
-1-process run on the same global batches: logged losses, held-out losses, aux losses and expert loads, resumes
-from each other's checkpoints, mixed precision with an uneven user split (DeepSeek-V2's dense first layer), and
-the layouts it refuses."""
+"""The training app with --pp 2 (DualPipeV on gloo processes, each building only its chunks' layers), alone and
+with expert or data parallelism (FSDP) beside it, against the 1-process run on the same global batches: logged
+losses, held-out losses, aux losses and expert loads, resumes from each other's checkpoints, mixed precision
+with an uneven user split (DeepSeek-V2's dense first layer), and the layouts it refuses."""
 import json
 import re
 
@@ -15,23 +15,24 @@ from pith_apps.options import PRESETS
 from pith_engine.parallel import LayoutError
 from test_train import tensorboard_events
 
-# 4 micro-batches of one sequence per step: the fewest DualPipeV runs at pp = 2
-RUN = ["--batch-size", "4", "--micro-batch-size", "1", "--seq-len", "32", "--warmup", "2", "--schedule", "constant",
+# micro-batches of one sequence, 8 per step: 4 per data rank at pp 2 x ep 2, the fewest DualPipeV runs at pp = 2
+RUN = ["--batch-size", "8", "--micro-batch-size", "1", "--seq-len", "32", "--warmup", "2", "--schedule", "constant",
        "--quiet", "--save-every", "3", "--image-every", "3"]
-QWEN3 = ["--eval-every", "3", "--eval-batches", "1"]
+# the aux loss per sequence: the same terms under every layout (global_batch would group each micro-batch's rows
+# over the data ranks, 1 row on one process, 2 at ep = 2)
+QWEN3 = ["--eval-every", "3", "--eval-batches", "1", "--balance", "sequence"]
 DEEPSEEK = ["--dtype", "bfloat16", "--steps", "4"]
 
 
-def config(root, family, layers):
+def write_config(root, family, layers):
     data = read_json(PRESETS / f"{family}_tiny.json") | {"num_hidden_layers": layers}
-    path = root / f"{family}_{layers}.json"
-    path.write_text(json.dumps(data))
-    return str(path)
+    (root / f"{family}_{layers}.json").write_text(json.dumps(data))
 
 
 def train(root, name, family, layers, *flags):
-    args = train_app.parse_args([family, "--config", config(root, family, layers), *RUN, "--out", str(root / name),
-                                 *flags])
+    """A run from the config write_config wrote (once, before any process reads it)."""
+    args = train_app.parse_args([family, "--config", str(root / f"{family}_{layers}.json"), *RUN, "--out",
+                                 str(root / name), *flags])
     return train_app.train(args)
 
 
@@ -51,18 +52,31 @@ def pipeline_runs(rank, world, root):
         (root / "losses.json").write_text(json.dumps(losses))
 
 
+def pipeline_beside_other_parallelism(rank, world, root):
+    """pp 2 x ep 2: steps 1-3, evaluated and saved at 3; pp 2 x dp 2 from the pp = 2 checkpoint of step 3 to 6."""
+    losses = {"pp2ep2": train(root, "pp2ep2", "qwen3", 4, *QWEN3, "--pp", "2", "--ep", "2", "--steps", "3")}
+    losses["pp2dp2-from-pp2"] = train(root, "pp2dp2-from-pp2", "qwen3", 4, *QWEN3, "--pp", "2", "--dp", "2", "--steps",
+                                      "6", "--resume-from", str(root / "pp2" / "checkpoints" / "step-00000003"))
+    if rank == 0:
+        (root / "losses.json").write_text(json.dumps(losses))
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("pipeline_train")
+    write_config(root, "qwen3", 4)
+    write_config(root, "deepseek_v2", 5)
     import transformers
     preset = read_json(PRESETS / "qwen3_tiny.json") | {"num_hidden_layers": 4}
     save_tiny_hf_model(transformers.AutoConfig.for_model(**preset), root / "hf")
     one = train(root, "one", "qwen3", 4, *QWEN3, "--steps", "6")
     run_on_processes(2, pipeline_runs, root)
     losses = json.loads((root / "losses.json").read_text())
+    run_on_processes(4, pipeline_beside_other_parallelism, root)
+    losses |= json.loads((root / "losses.json").read_text())
     losses["one"] = one
-    losses["one-from-pp2"] = train(root, "one-from-pp2", "qwen3", 4, *QWEN3, "--steps", "6", "--resume-from",
-                                   str(root / "pp2" / "checkpoints" / "step-00000003"))
+    losses["one-from-pp2ep2"] = train(root, "one-from-pp2ep2", "qwen3", 4, *QWEN3, "--steps", "6", "--resume-from",
+                                      str(root / "pp2ep2" / "checkpoints" / "step-00000003"))
     losses["mixed-one"] = train(root, "mixed-one", "deepseek_v2", 5, *DEEPSEEK)
     losses["init-one"] = train_app.train(train_app.parse_args(
         ["qwen3", "--init", str(root / "hf"), *RUN, "--steps", "3", "--out", str(root / "init-one"),
@@ -71,10 +85,11 @@ def runs(tmp_path_factory):
     return losses
 
 
-@pytest.mark.parametrize("name,steps", [("pp2", slice(0, 6)), ("pp2-from-one", slice(3, 6)),
-                                        ("one-from-pp2", slice(3, 6))])
-def test_two_pipeline_ranks_and_resumes_across_pp_log_the_one_process_losses(runs, name, steps):
-    """float32; the pipeline sums the same terms in another order: every logged loss within 1e-5 relative."""
+@pytest.mark.parametrize("name,steps", [("pp2", slice(0, 6)), ("pp2-from-one", slice(3, 6)), ("pp2ep2", slice(0, 3)),
+                                        ("pp2dp2-from-pp2", slice(3, 6)), ("one-from-pp2ep2", slice(3, 6))])
+def test_pipelines_and_resumes_across_layouts_log_the_one_process_losses(runs, name, steps):
+    """pp 2 on 2 processes, pp 2 x ep 2 and pp 2 x dp 2 (FSDP) on 4, resumes between them and one process;
+    float32, the same terms summed in other orders: every logged loss within 1e-5 relative."""
     assert len(runs[name]) == len(range(6)[steps])
     for got, expected in zip(runs[name], runs["one"][steps]):
         assert abs(got - expected) < 1e-5 * expected

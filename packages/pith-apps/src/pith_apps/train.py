@@ -30,7 +30,8 @@ from pith_engine.compile import compile_stages
 from pith_engine.contract import check_model, moe_layers
 from pith_engine.cuda_graph import CaptureError, StepGraph
 from pith_engine.dualpipev import Pipeline, chunk_layers, held_layers, schedule
-from pith_engine.data_parallel import drop_compute_copies, grad_norm, local_part, pair_expert_wgrads, shard_model
+from pith_engine.data_parallel import (drop_compute_copies, grad_norm, local_part, pair_expert_wgrads,
+                                       release_forward_weights, shard_model)
 from pith_engine.moe import update_expert_bias
 from pith_engine.optim import adamw, clipped_step, lr_at
 from pith_engine.parallel import LayoutError, Parallel
@@ -104,9 +105,6 @@ def layout(args) -> tuple[Parallel, torch.device]:
     parallel = Parallel.build(args.pp, args.dp, args.cp, args.ep, device.type)
     if parallel.cp > 1:
         raise LayoutError(f"--cp={parallel.cp}: context parallelism is not built yet; use --cp 1")
-    if parallel.pp > 1 and parallel.world > parallel.pp:
-        raise LayoutError(f"--pp={parallel.pp} with --dp={parallel.dp} --ep={parallel.ep}: the pipeline runs alone for "
-                          "now (FSDP and expert parallelism under it are not built yet); use --dp 1 --ep 1")
     if args.batch_size % parallel.data_ranks:
         raise LayoutError(f"--batch-size={args.batch_size} cannot be split over dp x ep = {parallel.data_ranks} data "
                           f"ranks; choose a multiple of {parallel.data_ranks}")
@@ -327,7 +325,7 @@ def evaluate(args, parallel: Parallel, device, model, held_out, pipeline: Pipeli
             docs = documents_of(args, ids)
             totals[0] += pipeline.loss_sum(ids, targets, docs) if pipeline else model.loss_sum(ids, targets, docs)
             totals[1] += (targets != -100).sum() * counts
-    drop_compute_copies(model)   # a replayed step (StepGraph) updates the weights without the hook that drops them
+    release_forward_weights(model)   # (a replayed step, StepGraph, updates the weights without the hook that drops copies)
     if parallel.world > 1:
         dist.all_reduce(totals)
     return (totals[0] / totals[1]).item()

@@ -22,7 +22,7 @@ class ExpertStack(Protocol):
 
 
 class DenseLayer(Protocol):
-    """A decoder layer without experts (is_moe False), called as layer(x, *model.layer_args(...))."""
+    """A decoder layer without experts (is_moe False), called as layer(x, *layer_args) by the model's forward."""
     is_moe: bool
 
     def __call__(self, x: torch.Tensor, *layer_args) -> torch.Tensor: ...
@@ -46,19 +46,16 @@ class MoeLayer(Protocol):
 
 
 class MoeModel(Protocol):
-    """A causal LM: embed -> each of `layers` with the same layer_args -> head_loss_sum. loss_sum runs all of
-    it in one call of the model (the entry point that mixed precision and FSDP hook)."""
+    """A causal LM whose forward is the one entry point that mixed precision and FSDP hook, for the whole model
+    (loss_sum) and for each pipeline chunk (forward with hidden and layers)."""
     layers: dict[int, nn.Module]   # the decoder layers this process holds (a pipeline rank: its chunks'), by number
     hidden_size: int      # of the hidden states between layers
     wgrad_pairs: object   # the WgradPairs its step flushes after the last backward (pith_engine.data_parallel)
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor: ...
-
-    def layer_args(self, input_ids: torch.Tensor, docs: torch.Tensor | None, dtype: torch.dtype) -> tuple:
-        """What every layer takes after x (rotary tables, document ids), made once per forward."""
-
-    def head_loss_sum(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Final norm, LM head and the token-summed fp32 cross-entropy over labels != -100."""
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, docs: torch.Tensor | None = None,
+                hidden: torch.Tensor | None = None, layers: list[int] | None = None) -> torch.Tensor:
+        """`layers` (default all) on `hidden` (default the embedding of input_ids): their output hidden states,
+        or, after the last layer, the token-summed fp32 cross-entropy over labels != -100 (logits without labels)."""
 
     def loss_sum(self, input_ids: torch.Tensor, labels: torch.Tensor, docs: torch.Tensor | None = None
                  ) -> torch.Tensor: ...

@@ -13,7 +13,6 @@ gradients are reduced in fp32 as a sum, not a mean, because each rank's loss is 
 global token count. After sharding, every parameter element lives on exactly one rank (per pipeline
 stage), which is what makes the clip's all-reduced sum of squares exact.
 """
-import contextlib
 import weakref
 
 import torch
@@ -116,20 +115,6 @@ def pair_expert_wgrads(model: MoeModel) -> WgradPairs:
     return pairs
 
 
-@contextlib.contextmanager
-def compute_copies(model: torch.nn.Module):
-    """Inside, a one-process mixed-precision model's parameters are its compute copies, as during its own
-    forward (ComputeCasts), for code that calls a model's pieces itself (the pipeline); nothing elsewhere."""
-    casts = getattr(model, "compute_casts", None)
-    if casts is not None:
-        casts.cast(model, ())
-    try:
-        yield
-    finally:
-        if casts is not None:
-            casts.restore(model, (), None)
-
-
 def drop_compute_copies(model: torch.nn.Module):
     """Forget the bf16 copies a one-process mixed-precision model keeps for its next forward (nothing on other
     layouts). For after the step's last forward: its backward then frees each copy once its layer is done,
@@ -137,6 +122,17 @@ def drop_compute_copies(model: torch.nn.Module):
     casts = getattr(model, "compute_casts", None)
     if casts is not None:
         casts.copies.clear()
+
+
+def release_forward_weights(model: torch.nn.Module):
+    """After forwards with no backward to follow (evaluation): drop a one-process model's bf16 copies, and put
+    the weights FSDP's root gathered back into shards (the root keeps them after its forward for the backward
+    that usually follows; until resharded, the model's parameters are not the optimizer's, which a save reads)."""
+    drop_compute_copies(model)
+    if dist.is_initialized():
+        from torch.distributed.fsdp import FSDPModule
+        if isinstance(model, FSDPModule):
+            model.reshard()
 
 
 def forget_copies_of(casts_ref):

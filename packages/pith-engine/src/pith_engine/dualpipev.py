@@ -11,9 +11,9 @@ backward, so that each one's communication hides behind the other's computation.
 
 `Pipeline` runs the schedule: a rank's two chunks (its layers from `chunk_layers`; a model built with only
 `held_layers`, read through the engine's model contract) forward and backward, activations and their
-gradients sent to the neighbouring ranks. Not yet: the overlap inside a pair (its forward, then its
-backward), deferred weight gradients (a W step does nothing), FSDP under the pipeline (one-process mixed
-precision, ComputeCasts, runs).
+gradients sent to the neighbouring ranks; each chunk one call of the model, which ComputeCasts or FSDP wrap.
+Not yet: the overlap inside a pair (its forward, then its backward) and deferred weight gradients (a W step
+does nothing).
 
 Run `python -m pith_engine.dualpipev --pp 4 --micro-batches 10` to print each rank's timeline and bubble.
 """
@@ -24,7 +24,6 @@ import torch
 import torch.distributed as dist
 
 from pith_engine.contract import MoeModel
-from pith_engine.data_parallel import compute_copies
 from pith_engine.parallel import LayoutError, Parallel
 
 
@@ -172,7 +171,9 @@ def sends(pp: int, micro_batches: int, rank: int) -> list[tuple[int, tuple]]:
 class Pipeline:
     """One pipeline rank's part of a training step: its two chunks' forwards and backwards in DualPipeV order,
     activations and their gradients passed to the neighbouring ranks with batch_isend_irecv. Every rank reads
-    every micro-batch's input ids (for its layer_args); the labels matter at rank 0, which holds the loss.
+    every micro-batch's input ids (for its layers' arguments); the labels matter at rank 0, which holds the
+    loss. Each chunk runs as one call of the model (its forward with hidden and layers), which mixed precision
+    and FSDP hook.
     Receives from a neighbour are posted in the order that neighbour sends (`sends`), because point-to-point
     messages between two ranks match in order, not by name. Weight gradients are not deferred yet: a
     backward computes them, a W step does nothing."""
@@ -186,7 +187,7 @@ class Pipeline:
         if len(chunks) != 2 * self.pp or missing:
             raise LayoutError(f"pipeline rank {self.rank} of pp={self.pp} runs chunks {self.chunks} of {len(chunks)}, "
                               f"but the model lacks their layers {missing}: build it with held_layers(chunks, rank)")
-        self.layers = [[model.layers[n] for n in chunks[chunk]] for chunk in self.chunks]
+        self.layers = [list(chunks[chunk]) for chunk in self.chunks]
         self.peers = {r: dist.get_global_rank(self.group, r) for r in (self.rank - 1, self.rank + 1)
                       if 0 <= r < self.pp} if self.group is not None else {}
 
@@ -201,8 +202,7 @@ class Pipeline:
         for steps, batches in numbered(schedule(self.pp, n, self.rank)):
             for step, i in zip(steps, batches):
                 if step.kind == "F":
-                    with compute_copies(self.model):   # as the model's own forward would compute
-                        self.forward(step, i)
+                    self.forward(step, i)
                 elif step.kind == "B":
                     self.backward(step, i)
         for _, works in self.sent:
@@ -213,16 +213,14 @@ class Pipeline:
     def forward(self, step: Step, i: int):
         ids, labels, docs = self.batches[i]
         chunk = self.chunks[step.phase]
-        x = inp = self.model.embed(ids) if chunk == 0 else self.take(step, i).requires_grad_()
-        layer_args = self.model.layer_args(ids, docs, x.dtype)
-        for layer in self.layers[step.phase]:
-            x = layer(x, *layer_args)
+        inp = None if chunk == 0 else self.take(step, i).requires_grad_()
+        x = self.model(ids, labels, docs, hidden=inp, layers=self.layers[step.phase])
         if chunk == 2 * self.pp - 1:
-            x = self.model.head_loss_sum(x, labels) / self.tokens
+            x = x / self.tokens
             self.loss = self.loss + x.detach()
         else:
             self.give(step, i, x.detach())
-        self.kept[step.phase, i] = (None if chunk == 0 else inp, x)
+        self.kept[step.phase, i] = (inp, x)
 
     @torch.no_grad()
     def loss_sum(self, input_ids, labels, docs=None) -> torch.Tensor:
@@ -230,20 +228,17 @@ class Pipeline:
         token-summed loss on rank 0, 0 elsewhere."""
         holder = [min(chunk, 2 * self.pp - 1 - chunk) for chunk in range(2 * self.pp)]
         x = loss = torch.zeros((), device=input_ids.device)
-        with compute_copies(self.model):
-            for chunk in (c for c in range(2 * self.pp) if holder[c] == self.rank):
-                if chunk == 0:
-                    x = self.model.embed(input_ids)
-                elif holder[chunk - 1] != self.rank:
-                    x = torch.empty(*input_ids.shape, self.model.hidden_size, dtype=self.dtype, device=input_ids.device)
-                    dist.recv(x, self.peers[holder[chunk - 1]], self.group)
-                layer_args = self.model.layer_args(input_ids, docs, x.dtype)
-                for layer in self.layers[self.chunks.index(chunk)]:
-                    x = layer(x, *layer_args)
-                if chunk == 2 * self.pp - 1:
-                    loss = self.model.head_loss_sum(x, labels)
-                elif holder[chunk + 1] != self.rank:
-                    dist.send(x, self.peers[holder[chunk + 1]], self.group)
+        for chunk in (c for c in range(2 * self.pp) if holder[c] == self.rank):
+            if chunk == 0:
+                x = None
+            elif holder[chunk - 1] != self.rank:
+                x = torch.empty(*input_ids.shape, self.model.hidden_size, dtype=self.dtype, device=input_ids.device)
+                dist.recv(x, self.peers[holder[chunk - 1]], self.group)
+            x = self.model(input_ids, labels, docs, hidden=x, layers=self.layers[self.chunks.index(chunk)])
+            if chunk == 2 * self.pp - 1:
+                loss = x
+            elif holder[chunk + 1] != self.rank:
+                dist.send(x, self.peers[holder[chunk + 1]], self.group)
         return loss
 
     def backward(self, step: Step, i: int):

@@ -247,24 +247,23 @@ class CausalLM(nn.Module):
     def hidden_size(self) -> int:
         return self.config.hidden_size
 
-    def embed(self, input_ids):
-        return self.model.embed_tokens(input_ids)
-
-    def head_loss_sum(self, hidden, labels):
-        return linear_cross_entropy(self.model.norm(hidden).flatten(0, 1), self.lm_head.weight, labels.flatten())
-
-    def forward(self, input_ids, labels=None, docs=None):
+    def forward(self, input_ids, labels=None, docs=None, hidden=None, layers=None):
         """Logits [batch, seq, vocab]; with labels, the token-summed fp32 cross-entropy over labels != -100,
-        without materializing the logits (the caller divides once by the token count). One entry point, so
-        that mixed precision and FSDP wrap both. docs: the document index of each token ([batch, seq]): each
-        token then attends to and counts positions within its own document only."""
-        x = self.embed(input_ids)
+        without materializing the logits (the caller divides once by the token count). docs: the document index
+        of each token ([batch, seq]): each token then attends to and counts positions within its own document
+        only. A pipeline chunk: `layers` (their numbers; default all) on `hidden` (default the embedding of
+        input_ids); the hidden states they output unless they end with the model's last layer. One entry point
+        for every piece, so that mixed precision and FSDP, which hook it, wrap each."""
+        x = self.model.embed_tokens(input_ids) if hidden is None else hidden
         layer_args = self.layer_args(input_ids, docs, x.dtype)
-        for layer in self.model.layers.values():
-            x = layer(x, *layer_args)
+        numbers = list(self.layers) if layers is None else layers
+        for n in numbers:
+            x = self.model.layers[str(n)](x, *layer_args)
+        if numbers[-1] != self.config.num_hidden_layers - 1:
+            return x
         if labels is None:
             return self.lm_head(self.model.norm(x))
-        return self.head_loss_sum(x, labels)
+        return linear_cross_entropy(self.model.norm(x).flatten(0, 1), self.lm_head.weight, labels.flatten())
 
     def loss_sum(self, input_ids, labels, docs=None):
         return self(input_ids, labels, docs)
