@@ -10,7 +10,7 @@ from distributed import run_on_processes
 from pith_apps.config import read_json
 from pith_apps.options import MODELS, PRESETS
 from pith_engine.data_parallel import ComputeCasts
-from pith_engine.dualpipev import Pipeline, chunk_layers, held_layers
+from pith_engine.dualpipev import Pipeline, chunk_layers, held_layers, schedule
 from pith_engine.parallel import LayoutError, Parallel
 
 SEQ = 16
@@ -57,21 +57,37 @@ def sequential_run(model, batches, tokens):
 
 
 def check_against_sequential(family, parallel, count, mixed=False):
-    """mixed: fp32 master weights computing in bf16 copies (one-process mixed precision, ComputeCasts)."""
+    """mixed: fp32 master weights computing in bf16 copies (one-process mixed precision, ComputeCasts). Without
+    and with the expert weight gradients deferred to W steps: the same gradients (1e-6: only the order of the
+    additions into .grad differs), nothing left deferred after the step."""
     rank, chunks = parallel.coords["pp"], chunk_layers(4 * parallel.pp, parallel.pp)
-    reference, model = tiny(family, parallel, count), tiny(family, parallel, count, held_layers(chunks, rank))
-    for built in (reference, model) if mixed else ():
+    reference = tiny(family, parallel, count)
+    models = [tiny(family, parallel, count, held_layers(chunks, rank)) for defer in (False, True)]
+    for built in (reference, *models) if mixed else ():
         ComputeCasts(torch.bfloat16).register(built)
-    batches = micro_batches(model.config.vocab_size, count, parallel.data_rank)
+    batches = micro_batches(reference.config.vocab_size, count, parallel.data_rank)
     tokens = sum((labels != -100).sum() for _, labels, _ in batches)
     expected, grads = sequential_run(reference, batches, tokens)
-    loss = Pipeline(model, parallel, torch.bfloat16 if mixed else torch.float32, chunks).step(batches, tokens)
-    held = dict(model.named_parameters())
-    assert set(held) == held_names(grads, parallel.pp, rank), (family, rank)
-    for name, param in held.items():
-        assert relative_error(param.grad, grads[name]) < 1e-5, (family, rank, name)
-    if rank == 0:
-        assert abs(loss - expected) < 1e-6 * expected, family
+    dtype = torch.bfloat16 if mixed else torch.float32
+    for defer, model in zip((False, True), models):
+        pipeline = Pipeline(model, parallel, dtype, chunks, defer_wgrad=defer)
+        ran = []   # closures each W step runs: the deferring backward's 2 expert GEMMs per MoE layer of its chunk
+        if defer:
+            run_oldest = pipeline.deferred.run_oldest
+            pipeline.deferred.run_oldest = lambda: ran.append(len(pipeline.deferred.entries[0])) or run_oldest()
+        loss = pipeline.step(batches, tokens)
+        steps = [step for steps in schedule(parallel.pp, count, rank) for step in steps]
+        assert len(ran) == defer * sum(step.kind == "W" for step in steps) and all(n >= 2 for n in ran), ran
+        held = dict(model.named_parameters())
+        assert set(held) == held_names(grads, parallel.pp, rank), (family, rank)
+        for name, param in held.items():
+            assert relative_error(param.grad, grads[name]) < 1e-5, (family, rank, defer, name)
+        if rank == 0:
+            assert abs(loss - expected) < 1e-6 * expected, family
+    deferred = models[1].named_parameters()
+    for (name, param), (_, other) in zip(models[0].named_parameters(), deferred):
+        assert relative_error(other.grad, param.grad) < 1e-6, (family, rank, name)
+    assert not pipeline.deferred.entries and pipeline.deferred.open is None
 
 
 def pipeline_body(rank, world, families, count, ep=1, mixed=False):

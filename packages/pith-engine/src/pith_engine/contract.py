@@ -19,6 +19,7 @@ class ExpertStack(Protocol):
     first_expert: int
     ep_group: object    # the expert-parallel process group dispatch sends over; None: every expert is here
     wgrad_pairs: object   # a pith_ops.grouped_gemm.WgradPairs its weight gradients go through, or None
+    wgrad_queue: object   # where its weight gradients are queued to run later (grouped_linear's), or None
 
 
 class DenseLayer(Protocol):

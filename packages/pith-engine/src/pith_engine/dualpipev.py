@@ -12,18 +12,20 @@ backward, so that each one's communication hides behind the other's computation.
 `Pipeline` runs the schedule: a rank's two chunks (its layers from `chunk_layers`; a model built with only
 `held_layers`, read through the engine's model contract) forward and backward, activations and their
 gradients sent to the neighbouring ranks; each chunk one call of the model, which ComputeCasts or FSDP wrap.
-Not yet: the overlap inside a pair (its forward, then its backward) and deferred weight gradients (a W step
-does nothing).
+With `defer_wgrad`, a deferring backward leaves its expert weight gradients to the W step that follows it in
+the schedule (`DeferredWeightGrads`). Not yet: the overlap inside a pair (its forward, then its backward), and
+deferral of the dense layers' weight gradients and under FSDP (whose reduce-scatter follows each backward).
 
 Run `python -m pith_engine.dualpipev --pp 4 --micro-batches 10` to print each rank's timeline and bubble.
 """
 import argparse
+from collections import deque
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from pith_engine.contract import MoeModel
+from pith_engine.contract import MoeModel, moe_layers
 from pith_engine.parallel import LayoutError, Parallel
 
 
@@ -168,18 +170,38 @@ def sends(pp: int, micro_batches: int, rank: int) -> list[tuple[int, tuple]]:
             if i is not None and 0 <= rank + flow(step) < pp]
 
 
+class DeferredWeightGrads:
+    """The wgrad_queue of every expert stack of a pipeline rank: a deferring backward's weight-gradient closures
+    (grouped_linear's) gathered as one entry, which `run_oldest` (a W step) runs; outside such a backward a
+    closure runs at once."""
+
+    def __init__(self):
+        self.entries, self.open = deque(), None
+
+    def append(self, closure):
+        if self.open is None:
+            closure()
+        else:
+            self.open.append(closure)
+
+    def run_oldest(self):
+        for closure in self.entries.popleft():
+            closure()
+
+
 class Pipeline:
     """One pipeline rank's part of a training step: its two chunks' forwards and backwards in DualPipeV order,
     activations and their gradients passed to the neighbouring ranks with batch_isend_irecv. Every rank reads
     every micro-batch's input ids (for its layers' arguments); the labels matter at rank 0, which holds the
     loss. Each chunk runs as one call of the model (its forward with hidden and layers), which mixed precision
-    and FSDP hook.
-    Receives from a neighbour are posted in the order that neighbour sends (`sends`), because point-to-point
-    messages between two ranks match in order, not by name. Weight gradients are not deferred yet: a
-    backward computes them, a W step does nothing."""
+    and FSDP hook. Receives from a neighbour are posted in the order that neighbour sends (`sends`), because
+    point-to-point messages between two ranks match in order, not by name. A W step runs the expert weight
+    gradients of the oldest deferring backward (defer_wgrad), or nothing."""
 
-    def __init__(self, model: MoeModel, parallel: Parallel, dtype: torch.dtype, chunks: list[range]):
-        """chunks: the layers of each of the 2pp chunks (chunk_layers); the model holds at least this rank's."""
+    def __init__(self, model: MoeModel, parallel: Parallel, dtype: torch.dtype, chunks: list[range],
+                 defer_wgrad: bool = False):
+        """chunks: the layers of each of the 2pp chunks (chunk_layers); the model holds at least this rank's.
+        defer_wgrad: deferring backwards leave the expert weight gradients to W steps (not under FSDP)."""
         self.model, self.pp, self.rank, self.dtype = model, parallel.pp, parallel.coords["pp"], dtype
         self.group = parallel.group("pp")
         self.chunks = (self.rank, 2 * self.pp - 1 - self.rank)
@@ -188,6 +210,9 @@ class Pipeline:
             raise LayoutError(f"pipeline rank {self.rank} of pp={self.pp} runs chunks {self.chunks} of {len(chunks)}, "
                               f"but the model lacks their layers {missing}: build it with held_layers(chunks, rank)")
         self.layers = [list(chunks[chunk]) for chunk in self.chunks]
+        self.deferred = DeferredWeightGrads() if defer_wgrad else None
+        for layer in moe_layers(model) if defer_wgrad else ():
+            layer.experts.wgrad_queue = self.deferred
         self.peers = {r: dist.get_global_rank(self.group, r) for r in (self.rank - 1, self.rank + 1)
                       if 0 <= r < self.pp} if self.group is not None else {}
 
@@ -205,6 +230,8 @@ class Pipeline:
                     self.forward(step, i)
                 elif step.kind == "B":
                     self.backward(step, i)
+                elif self.deferred is not None:
+                    self.deferred.run_oldest()
         for _, works in self.sent:
             for work in works:
                 work.wait()
@@ -243,10 +270,15 @@ class Pipeline:
 
     def backward(self, step: Step, i: int):
         inp, out = self.kept.pop((step.phase, i))
+        if self.deferred is not None and step.defer:
+            self.deferred.open = []
         if self.chunks[step.phase] == 2 * self.pp - 1:
             out.backward()
         else:
             out.backward(self.take(step, i))
+        if self.deferred is not None and step.defer:
+            self.deferred.entries.append(self.deferred.open)
+            self.deferred.open = None
         if inp is not None:
             self.give(step, i, inp.grad)
 

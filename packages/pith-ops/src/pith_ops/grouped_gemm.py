@@ -212,14 +212,15 @@ class _GroupedLinear(torch.autograd.Function):
         into = ctx.grad_into if triton_here else None
         if ctx.wgrad_queue is None and into is None:
             return grad_x, grouped_wgrad(grad_out, x, offs, ctx.use_triton), None, None, None, None
-        use_triton, pairs = ctx.use_triton, ctx.wgrad_pairs
+        use_triton, pairs, ctx_grad_into = ctx.use_triton, ctx.wgrad_pairs, ctx.grad_into
 
         def accumulate_wgrad():
             if into is not None:
                 (add_wgrad_into if pairs is None else pairs.add)(into, grad_out, x, offs)
-            else:
+            else:   # into the master weight of a compute copy (grad_into, ComputeCasts), else into the weight
                 grad_w = grouped_wgrad(grad_out, x, offs, use_triton)
-                weight.grad = grad_w if weight.grad is None else weight.grad.add_(grad_w)
+                master = weight if ctx_grad_into is None else ctx_grad_into
+                master.grad = grad_w.to(master.dtype) if master.grad is None else master.grad.add_(grad_w)
         if ctx.wgrad_queue is None:
             accumulate_wgrad()
         else:
@@ -232,8 +233,8 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: tor
                    use_triton: bool | None = None) -> torch.Tensor:
     """x [tokens, in] sorted by expert, weight [experts, out, in] (nn.Linear layout) -> [tokens, out].
 
-    wgrad_queue: if given, the weight gradient is not returned by backward but queued as a closure that
-    adds it to weight.grad. use_triton: force the Triton kernels (True) or torch's grouped_mm (False).
+    wgrad_queue: if given, the weight gradient is not returned by backward but appended to it as a closure
+    that adds it to weight.grad (to grad_into.grad for a compute copy). use_triton: force the Triton kernels (True) or torch's grouped_mm (False).
     A weight that carries `grad_into` (a compute copy of a master parameter, as ComputeCasts makes) gets
     no gradient through autograd: where the Triton kernels run (CUDA unless use_triton=False, or
     use_triton=True) the weight-gradient kernel adds it straight into grad_into.grad (add_wgrad_into);

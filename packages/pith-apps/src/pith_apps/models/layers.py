@@ -148,14 +148,15 @@ class MoeDecoderLayer(nn.Module):
 class LocalExperts(nn.Module):
     """Experts module base: this rank holds experts first_expert .. first_expert + local_experts - 1 of
     num_experts, the expert-parallel group's share (all of them on one process). wgrad_pairs: the
-    grouped_linear weight-gradient pairing of micro-batches (pith_engine.data_parallel.pair_expert_wgrads)."""
+    grouped_linear weight-gradient pairing of micro-batches (pith_engine.data_parallel.pair_expert_wgrads);
+    wgrad_queue: where the weight gradients go to be run later (pith_engine.dualpipev.DeferredWeightGrads)."""
 
     def __init__(self, num_experts: int, parallel: Parallel):
         super().__init__()
         self.local_experts = num_experts // parallel.ep
         self.first_expert = parallel.coords["ep"] * self.local_experts
         self.parallel = parallel
-        self.wgrad_pairs = None
+        self.wgrad_pairs = self.wgrad_queue = None
 
     @functools.cached_property
     def ep_group(self):
@@ -175,8 +176,8 @@ class SwiGLUExperts(LocalExperts):
         self.down_proj = nn.Parameter(torch.empty(self.local_experts, hidden, inter))
 
     def forward(self, x, tokens_per_expert):
-        gate_up = grouped_linear(x, self.gate_up_proj, tokens_per_expert, wgrad_pairs=self.wgrad_pairs)
-        return grouped_linear(swiglu(gate_up), self.down_proj, tokens_per_expert, wgrad_pairs=self.wgrad_pairs)
+        gate_up = grouped_linear(x, self.gate_up_proj, tokens_per_expert, self.wgrad_queue, self.wgrad_pairs)
+        return grouped_linear(swiglu(gate_up), self.down_proj, tokens_per_expert, self.wgrad_queue, self.wgrad_pairs)
 
     def hf_views(self, prefix: str):
         """(Hugging Face name, view of our parameter) for each expert's gate/up/down weight."""
