@@ -236,10 +236,11 @@ def train_on(args, cfg, parallel: Parallel, device: torch.device, data, folder, 
 def train_step(args, parallel: Parallel, device, model, optimizer, number: int, input_ids, labels, stop_asked: bool,
                graph: StepGraph | None = None, pipeline: Pipeline | None = None):
     """Optimizer step `number` (from 1) on a global batch, its micro-batches' gradients accumulated (through `graph`,
-    a StepGraph of gradient_step, when given; through `pipeline` on several pipeline ranks). Returns the step's loss, the gradient norm before the clip, whether
-    any rank was asked to stop (the same on every rank) and the step's routing (update_expert_bias); ConfigError
-    when the loss or the gradients are not finite, the update skipped (before anything is saved). The learning rate
-    is the optimizer's groups' (train_on sets one for all), passed in as a tensor so that a replay follows it."""
+    a StepGraph of gradient_step, when given; through `pipeline` on several pipeline ranks). Returns the step's
+    loss, the gradient norm before the clip, whether any rank was asked to stop (the same on every rank) and the
+    step's routing (update_expert_bias; the whole model's); ConfigError when the loss or the gradients are not
+    finite, the update skipped (before anything is saved). The learning rate is the optimizer's groups' (train_on
+    sets one for all), passed in as a tensor so that a replay follows it."""
     lr = torch.tensor(optimizer.param_groups[0]["lr"], dtype=torch.float32)
     if device.type == "cuda":   # copies that do not wait: a blocking one waits for the GPU to drain
         input_ids, labels, lr = (t.pin_memory().to(device, non_blocking=True) for t in (input_ids, labels, lr))
@@ -278,17 +279,18 @@ def gradient_step(args, parallel: Parallel, model, optimizer, input_ids, labels,
     tensor); returns the loss and the gradient norm before the clip, as device tensors. It never waits for the
     host, so that a CUDA graph can capture it (StepGraph)."""
     tokens = (labels != -100).sum()   # of the global batch: each micro-batch's loss is its share of the mean
-    loss = torch.zeros((), device=input_ids.device)
-    micro_batches = list(micro_batches_of(args, parallel, input_ids, labels))
+    micro_batches = [(ids, targets, documents_of(args, ids))
+                     for ids, targets in micro_batches_of(args, parallel, input_ids, labels)]
     if pipeline is not None:
-        loss = pipeline.step([(ids, targets, documents_of(args, ids)) for ids, targets in micro_batches], tokens)
-        micro_batches = []
-    for index, (ids, targets) in enumerate(micro_batches, 1):
-        micro_loss = model.loss_sum(ids, targets, documents_of(args, ids)) / tokens
-        if index == len(micro_batches):
-            drop_compute_copies(model)   # the backward below frees each bf16 copy once its layer is done
-        micro_loss.backward()
-        loss += micro_loss.detach()
+        loss = pipeline.step(micro_batches, tokens)
+    else:
+        loss = torch.zeros((), device=input_ids.device)
+        for index, (ids, targets, docs) in enumerate(micro_batches, 1):
+            micro_loss = model.loss_sum(ids, targets, docs) / tokens
+            if index == len(micro_batches):
+                drop_compute_copies(model)   # the backward below frees each bf16 copy once its layer is done
+            micro_loss.backward()
+            loss += micro_loss.detach()
     if model.wgrad_pairs is not None:
         model.wgrad_pairs.flush()   # an odd micro-batch's expert weight gradients still wait for their pair
     norm = grad_norm(model.parameters())
