@@ -33,7 +33,7 @@ def shard_model(model: MoeModel, parallel: Parallel, param_dtype: torch.dtype | 
     if any(p.dtype != torch.float32 for p in model.parameters()):
         raise TypeError(f"shard_model takes a float32 model (the master weights), not {next(model.parameters()).dtype}; "
                         "param_dtype sets the compute dtype")
-    if parallel.world == parallel.pp:
+    if not parallel.sharded:
         if param_dtype not in (None, torch.float32):
             ComputeCasts(param_dtype).register(model)
         return model

@@ -19,6 +19,7 @@ deferral of the dense layers' weight gradients and under FSDP (whose reduce-scat
 Run `python -m pith_engine.dualpipev --pp 4 --micro-batches 10` to print each rank's timeline and bubble.
 """
 import argparse
+import contextlib
 from collections import deque
 from dataclasses import dataclass
 
@@ -184,6 +185,16 @@ class DeferredWeightGrads:
         else:
             self.open.append(closure)
 
+    @contextlib.contextmanager
+    def collecting(self):
+        """Inside, closures wait as one entry (a deferring backward's) instead of running."""
+        self.open = []
+        try:
+            yield
+        finally:
+            self.entries.append(self.open)
+            self.open = None
+
     def run_oldest(self):
         for closure in self.entries.popleft():
             closure()
@@ -259,7 +270,7 @@ class Pipeline:
             if chunk == 0:
                 x = None
             elif holder[chunk - 1] != self.rank:
-                x = torch.empty(*input_ids.shape, self.model.hidden_size, dtype=self.dtype, device=input_ids.device)
+                x = self.hidden_buffer(input_ids)
                 dist.recv(x, self.peers[holder[chunk - 1]], self.group)
             x = self.model(input_ids, labels, docs, hidden=x, layers=self.layers[self.chunks.index(chunk)])
             if chunk == 2 * self.pp - 1:
@@ -270,15 +281,9 @@ class Pipeline:
 
     def backward(self, step: Step, i: int):
         inp, out = self.kept.pop((step.phase, i))
-        if self.deferred is not None and step.defer:
-            self.deferred.open = []
-        if self.chunks[step.phase] == 2 * self.pp - 1:
-            out.backward()
-        else:
-            out.backward(self.take(step, i))
-        if self.deferred is not None and step.defer:
-            self.deferred.entries.append(self.deferred.open)
-            self.deferred.open = None
+        grad = None if self.chunks[step.phase] == 2 * self.pp - 1 else self.take(step, i)   # the loss: none
+        with self.deferred.collecting() if self.deferred is not None and step.defer else contextlib.nullcontext():
+            out.backward(grad)
         if inp is not None:
             self.give(step, i, inp.grad)
 
@@ -300,11 +305,15 @@ class Pipeline:
         works = dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor, self.peers[peer], self.group)])
         self.sent.append((tensor, works))   # the tensor lives until its send is done
 
+    def hidden_buffer(self, ids: torch.Tensor) -> torch.Tensor:
+        """Room for the hidden states of the micro-batch of `ids`, as a neighbour sends them."""
+        return torch.empty(*ids.shape, self.model.hidden_size, dtype=self.dtype, device=ids.device)
+
     def receive(self, peer: int, key: tuple, ids: torch.Tensor) -> torch.Tensor:
         posted = self.posted[peer]
         while key not in posted:   # post, in the peer's send order, every receive up to this one
             ahead = self.incoming[peer].pop(0)
-            buffer = torch.empty(*ids.shape, self.model.hidden_size, dtype=self.dtype, device=ids.device)
+            buffer = self.hidden_buffer(ids)
             posted[ahead] = (buffer, dist.batch_isend_irecv([dist.P2POp(dist.irecv, buffer, self.peers[peer],
                                                                         self.group)]))
         buffer, works = posted.pop(key)

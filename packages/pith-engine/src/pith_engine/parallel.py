@@ -47,6 +47,11 @@ class Parallel:
         return self.pp * self.dp * self.cp * self.ep
 
     @property
+    def sharded(self) -> bool:
+        """Whether FSDP shards the weights: other ranks share this one's pipeline stage (dp x cp x ep > 1)."""
+        return self.world > self.pp
+
+    @property
     def data_rank(self) -> int:
         """Which share of each global batch this rank reads: ep ranks read different data, cp ranks share it."""
         return self.coords["dp"] * self.ep + self.coords["ep"]

@@ -212,14 +212,14 @@ class _GroupedLinear(torch.autograd.Function):
         into = ctx.grad_into if triton_here else None
         if ctx.wgrad_queue is None and into is None:
             return grad_x, grouped_wgrad(grad_out, x, offs, ctx.use_triton), None, None, None, None
-        use_triton, pairs, ctx_grad_into = ctx.use_triton, ctx.wgrad_pairs, ctx.grad_into
+        use_triton, pairs = ctx.use_triton, ctx.wgrad_pairs
+        master = weight if ctx.grad_into is None else ctx.grad_into   # a compute copy's (ComputeCasts) fp32 master
 
         def accumulate_wgrad():
             if into is not None:
                 (add_wgrad_into if pairs is None else pairs.add)(into, grad_out, x, offs)
-            else:   # into the master weight of a compute copy (grad_into, ComputeCasts), else into the weight
+            else:
                 grad_w = grouped_wgrad(grad_out, x, offs, use_triton)
-                master = weight if ctx_grad_into is None else ctx_grad_into
                 master.grad = grad_w.to(master.dtype) if master.grad is None else master.grad.add_(grad_w)
         if ctx.wgrad_queue is None:
             accumulate_wgrad()
