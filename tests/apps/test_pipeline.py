@@ -2,15 +2,19 @@
 every pipeline rank builds only its two chunks' layers (held_layers) from the seed the whole reference model
 is drawn from; the step's loss (at rank 0) and every gradient a rank holds match the sequential run's, aux
 losses on."""
+import itertools
+import threading
+
 import pytest
 import torch
+import torch.distributed as dist
 
 from conftest import relative_error
 from distributed import run_on_processes
 from pith_apps.config import read_json
 from pith_apps.options import MODELS, PRESETS
 from pith_engine.data_parallel import ComputeCasts
-from pith_engine.dualpipev import Pipeline, chunk_layers, held_layers, schedule
+from pith_engine.dualpipev import Pipeline, chunk_layers, held_layers, numbered, schedule
 from pith_engine.parallel import LayoutError, Parallel
 
 SEQ = 16
@@ -56,44 +60,94 @@ def sequential_run(model, batches, tokens):
     return expected, {name: param.grad for name, param in model.named_parameters()}
 
 
-def check_against_sequential(family, parallel, count, mixed=False):
-    """mixed: fp32 master weights computing in bf16 copies (one-process mixed precision, ComputeCasts). Without
-    and with the expert weight gradients deferred to W steps: the same gradients (1e-6: only the order of the
-    additions into .grad differs), nothing left deferred after the step."""
+VARIANTS = [dict(), dict(defer_wgrad=True), dict(overlap=True)]
+
+
+def check_against_sequential(family, parallel, count, mixed=False, variants=VARIANTS):
+    """mixed: fp32 master weights computing in bf16 copies (one-process mixed precision, ComputeCasts). Plain,
+    with the expert weight gradients deferred to W steps, and with each pair's forward and backward in turns:
+    the same gradients (deferred 1e-6: only the order of the additions into .grad differs; in turns exactly,
+    the same kernels on the same numbers), nothing left deferred after the step, and in turns each pair's
+    all-to-alls alternate between its forward and its backward (`expected_turns`)."""
     rank, chunks = parallel.coords["pp"], chunk_layers(4 * parallel.pp, parallel.pp)
     reference = tiny(family, parallel, count)
-    models = [tiny(family, parallel, count, held_layers(chunks, rank)) for defer in (False, True)]
+    models = [tiny(family, parallel, count, held_layers(chunks, rank)) for _ in variants]
     for built in (reference, *models) if mixed else ():
         ComputeCasts(torch.bfloat16).register(built)
     batches = micro_batches(reference.config.vocab_size, count, parallel.data_rank)
     tokens = sum((labels != -100).sum() for _, labels, _ in batches)
     expected, grads = sequential_run(reference, batches, tokens)
     dtype = torch.bfloat16 if mixed else torch.float32
-    for defer, model in zip((False, True), models):
-        pipeline = Pipeline(model, parallel, dtype, chunks, defer_wgrad=defer)
+    traces = []
+    for variant, model in zip(variants, models):
+        pipeline = Pipeline(model, parallel, dtype, chunks, **variant)
         ran = []   # closures each W step runs: the deferring backward's 2 expert GEMMs per MoE layer of its chunk
-        if defer:
+        if pipeline.deferred is not None:
             run_oldest = pipeline.deferred.run_oldest
             pipeline.deferred.run_oldest = lambda: ran.append(len(pipeline.deferred.entries[0])) or run_oldest()
-        loss = pipeline.step(batches, tokens)
+        loss, trace = traced_step(pipeline, batches, tokens)
+        traces.append(trace)
         steps = [step for steps in schedule(parallel.pp, count, rank) for step in steps]
+        defer = pipeline.deferred is not None
         assert len(ran) == defer * sum(step.kind == "W" for step in steps) and all(n >= 2 for n in ran), ran
+        assert not defer or not pipeline.deferred.entries and pipeline.deferred.open is None
         held = dict(model.named_parameters())
         assert set(held) == held_names(grads, parallel.pp, rank), (family, rank)
         for name, param in held.items():
-            assert relative_error(param.grad, grads[name]) < 1e-5, (family, rank, defer, name)
+            assert relative_error(param.grad, grads[name]) < 1e-5, (family, rank, variant, name)
         if rank == 0:
             assert abs(loss - expected) < 1e-6 * expected, family
-    deferred = models[1].named_parameters()
-    for (name, param), (_, other) in zip(models[0].named_parameters(), deferred):
-        assert relative_error(other.grad, param.grad) < 1e-6, (family, rank, name)
-    assert not pipeline.deferred.entries and pipeline.deferred.open is None
+    plain, deferred, *turns = ([param.grad for param in model.parameters()] for model in models)
+    assert all(relative_error(other, grad) < 1e-6 for grad, other in zip(plain, deferred)), (family, rank)
+    for grads_in_turns, trace in zip(turns, traces[2:]):
+        assert all(torch.equal(other, grad) for grad, other in zip(plain, grads_in_turns)), (family, rank)
+        assert trace == expected_turns(traces[0], schedule(parallel.pp, count, rank)), (family, rank)
+        assert parallel.ep == 1 or any(kind == "B" for kind, _, _ in trace), trace
 
 
-def pipeline_body(rank, world, families, count, ep=1, mixed=False):
+def traced_step(pipeline, batches, tokens):
+    """(the step's loss, its all-to-alls in call order: each as the (kind, phase, micro-batch) of the step that
+    called it, told apart by thread where a pair's forward and backward take turns)."""
+    trace, current = [], {}
+
+    def marked(kind, run):
+        def step(step, i):
+            current[threading.current_thread().name] = (kind, step.phase, i)
+            return run(step, i)
+        return step
+
+    def recorded(*args, **kwargs):
+        trace.append(current[threading.current_thread().name])
+        return all_to_all(*args, **kwargs)
+
+    pipeline.forward, pipeline.backward = marked("F", pipeline.forward), marked("B", pipeline.backward)
+    all_to_all, dist.all_to_all_single = dist.all_to_all_single, recorded
+    try:
+        return pipeline.step(batches, tokens), trace
+    finally:
+        dist.all_to_all_single = all_to_all
+
+
+def expected_turns(plain_trace, plan):
+    """The all-to-alls in turns, from those of the plain run (each step's, in order): a pair's forward and
+    backward alternate, the forward's first, until one has none left."""
+    of_step = {}
+    for key in plain_trace:
+        of_step.setdefault(key, []).append(key)
+    expected = []
+    for steps, numbers in numbered(plan):
+        calls = [of_step.get((step.kind, step.phase, i), []) for step, i in zip(steps, numbers) if i is not None]
+        if len(calls) == 2:
+            expected += [key for pair in itertools.zip_longest(*calls) for key in pair if key is not None]
+        else:
+            expected += [key for keys in calls for key in keys]
+    return expected
+
+
+def pipeline_body(rank, world, families, count, ep=1, mixed=False, variants=VARIANTS):
     parallel = Parallel.build(pp=world // ep, ep=ep)
     for family in families:
-        check_against_sequential(family, parallel, count, mixed)
+        check_against_sequential(family, parallel, count, mixed, variants)
 
 
 @pytest.mark.parametrize("mixed", [False, True])
@@ -117,8 +171,8 @@ def test_two_pipeline_ranks_of_two_expert_parallel_ranks_give_the_sequential_run
 
 
 def test_four_pipeline_ranks_give_the_sequential_runs_loss_and_gradients():
-    """pp = 4 over gloo, the minimum 8 micro-batches."""
-    run_on_processes(4, pipeline_body, ["qwen3", "deepseek_v2"], 8)
+    """pp = 4 over gloo, the minimum 8 micro-batches (plain and deferred; turns need the all-to-alls of ep > 1)."""
+    run_on_processes(4, pipeline_body, ["qwen3", "deepseek_v2"], 8, 1, False, VARIANTS[:2])
 
 
 def test_the_layers_split_into_chunks_evenly_or_as_asked_and_a_bad_split_is_one_line():

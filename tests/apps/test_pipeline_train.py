@@ -12,6 +12,7 @@ from distributed import run_on_processes
 from hf_compare import save_tiny_hf_model
 from pith_apps.config import read_json
 from pith_apps.options import PRESETS
+from pith_engine.dualpipev import Turns
 from pith_engine.parallel import LayoutError
 from test_train import tensorboard_events
 
@@ -53,8 +54,14 @@ def pipeline_runs(rank, world, root):
 
 
 def pipeline_beside_other_parallelism(rank, world, root):
-    """pp 2 x ep 2: steps 1-3, evaluated and saved at 3; pp 2 x dp 2 from the pp = 2 checkpoint of step 3 to 6."""
+    """pp 2 x ep 2: steps 1-3, evaluated and saved at 3, each overlapped pair's forward and backward in turns at
+    their all-to-alls (counted: 3 steps, at least one pair each); pp 2 x dp 2 from the pp = 2 checkpoint of step
+    3 to 6."""
+    passes, pass_turn = [], Turns.pass_turn
+    Turns.pass_turn = lambda turns: passes.append(turns.holder) or pass_turn(turns)
     losses = {"pp2ep2": train(root, "pp2ep2", "qwen3", 4, *QWEN3, "--pp", "2", "--ep", "2", "--steps", "3")}
+    Turns.pass_turn = pass_turn
+    assert {0, 1} <= set(passes) and len(passes) >= 3 * 2, passes   # both sides passed the turn
     losses["pp2dp2-from-pp2"] = train(root, "pp2dp2-from-pp2", "qwen3", 4, *QWEN3, "--pp", "2", "--dp", "2", "--steps",
                                       "6", "--resume-from", str(root / "pp2" / "checkpoints" / "step-00000003"))
     if rank == 0:

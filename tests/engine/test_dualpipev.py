@@ -1,7 +1,9 @@
 """DualPipeV's schedule and its simulator (pith_engine.dualpipev) against the schedule's stated facts."""
+import threading
+
 import pytest
 
-from pith_engine.dualpipev import Costs, main, schedule, simulate
+from pith_engine.dualpipev import Costs, Turns, main, schedule, simulate
 from pith_engine.parallel import LayoutError
 
 LAYOUTS = [(pp, micro_batches) for pp in (1, 2, 3, 4, 8) for micro_batches in (2 * pp, 2 * pp + 3, 4 * pp)]
@@ -51,3 +53,25 @@ def test_the_planning_command_prints_each_ranks_timeline_and_the_bubble(capsys):
     assert [line.split(":")[0] for line in lines[:2]] == ["rank 0", "rank 1"]
     assert lines[2].endswith("(pp - 1)(overlapped + backward - 3 weight) = 2") and "bubble per rank" in lines[2]
     assert set(lines[1].split(": ")[1]) <= set("FfBbWX.")
+
+
+def test_turns_alternate_at_each_pass_until_one_side_ends_and_an_error_waits_for_both():
+    """Side 0 in a thread and side 1 here, as a pipeline's overlapped pair: each runs until it passes the turn;
+    once one has ended the other runs on alone; side 1's error is kept for the caller, after side 0 has ended."""
+    turns, order = Turns(), []
+
+    def side(name, passes, error=None):
+        def work():
+            for n in range(passes):
+                order.append(f"{name}{n}")
+                turns.pass_turn()
+            if error:
+                raise error
+        return work
+
+    thread = threading.Thread(target=turns.run, args=(0, side("f", 4)))
+    thread.start()
+    turns.run(1, side("b", 2, ValueError("bad")))
+    thread.join()
+    assert order == ["f0", "b0", "f1", "b1", "f2", "f3"]
+    assert [str(error) for error in turns.errors] == ["bad"]

@@ -27,9 +27,12 @@ from pith_ops.grouped_gemm import WgradPairs
 def shard_model(model: MoeModel, parallel: Parallel, param_dtype: torch.dtype | None = None) -> MoeModel:
     """Make the fp32 `model` compute in param_dtype (None: in fp32) on this layout, in place. Several
     processes: FSDP2, bottom-up: each layer's experts, each decoder layer, then the root (embedding, final norm,
-    LM head), whose forward (logits, or the loss with labels) gathers and frees the weights. One process, or
-    pipeline ranks alone (each holds its own layers, nothing to shard): the casts of ComputeCasts. Works on a
-    model still on the meta device (then to_empty, then init_weights)."""
+    LM head), whose forward (logits, or the loss with labels) gathers and frees the weights. Under a pipeline,
+    whose pieces the model's forward runs one at a time, the modules owning those last weights are roots of their
+    own instead of the model: each piece then gathers only its own weights, and an overlapped pair's forward
+    and backward share no FSDP state. One process, or pipeline ranks alone (each holds its own layers, nothing
+    to shard): the casts of ComputeCasts. Works on a model still on the meta device (then to_empty, then
+    init_weights)."""
     if any(p.dtype != torch.float32 for p in model.parameters()):
         raise TypeError(f"shard_model takes a float32 model (the master weights), not {next(model.parameters()).dtype}; "
                         "param_dtype sets the compute dtype")
@@ -45,7 +48,10 @@ def shard_model(model: MoeModel, parallel: Parallel, param_dtype: torch.dtype | 
         if layer.is_moe:   # rows (dim 1), so that each expert's slice of the stack is itself a row shard
             fully_shard(layer.experts, mesh=expert_mesh, mp_policy=policy, shard_placement_fn=lambda p: Shard(1))
         fully_shard(layer, mesh=dense_mesh, mp_policy=policy)
-    fully_shard(model, mesh=dense_mesh, mp_policy=policy)
+    in_layers = {id(param) for layer in model.layers.values() for param in layer.parameters()}
+    owners = [module for module in model.modules() if any(id(p) not in in_layers for p in module.parameters(False))]
+    for root in owners if parallel.pp > 1 else [model]:
+        fully_shard(root, mesh=dense_mesh, mp_policy=policy)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
@@ -131,8 +137,9 @@ def release_forward_weights(model: torch.nn.Module):
     drop_compute_copies(model)
     if dist.is_initialized():
         from torch.distributed.fsdp import FSDPModule
-        if isinstance(model, FSDPModule):
-            model.reshard()
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
 
 
 def forget_copies_of(casts_ref):

@@ -13,19 +13,23 @@ backward, so that each one's communication hides behind the other's computation.
 `held_layers`, read through the engine's model contract) forward and backward, activations and their
 gradients sent to the neighbouring ranks; each chunk one call of the model, which ComputeCasts or FSDP wrap.
 With `defer_wgrad`, a deferring backward leaves its expert weight gradients to the W step that follows it in
-the schedule (`DeferredWeightGrads`). Not yet: the overlap inside a pair (its forward, then its backward), and
-deferral of the dense layers' weight gradients and under FSDP (whose reduce-scatter follows each backward).
+the schedule (`DeferredWeightGrads`). With `overlap`, a pair's forward runs in a thread of its own and the two
+take turns (`Turns`) at each all-to-all of pith_engine.moe: one launches it and the other computes while it is in
+flight. Not yet: deferral of the dense layers' weight gradients and under FSDP (whose reduce-scatter follows
+each backward).
 
 Run `python -m pith_engine.dualpipev --pp 4 --micro-batches 10` to print each rank's timeline and bubble.
 """
 import argparse
 import contextlib
+import threading
 from collections import deque
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from pith_engine import moe
 from pith_engine.contract import MoeModel, moe_layers
 from pith_engine.parallel import LayoutError, Parallel
 
@@ -200,6 +204,40 @@ class DeferredWeightGrads:
             closure()
 
 
+class Turns:
+    """The forward (side 0, its own thread) and the backward (side 1) of an overlapped pair take turns: one runs
+    until it has launched a collective, then the turn passes (`pass_turn`) and the other runs; a finished side
+    passes it for good. The order of everything the two run is therefore fixed, the same on every rank."""
+
+    def __init__(self):
+        self.changed, self.holder, self.done, self.errors = threading.Condition(), 0, [False, False], []
+
+    def pass_turn(self):
+        """To the other side, unless it has finished; returns when the turn is back."""
+        with self.changed:
+            me = self.holder
+            if not self.done[1 - me]:
+                self._hand_over(me)
+
+    def _hand_over(self, me: int):
+        self.holder = 1 - me
+        self.changed.notify_all()
+        self.changed.wait_for(lambda: self.holder == me)
+
+    def run(self, side: int, work):
+        """work() as `side` once it has the turn; an error is kept (errors) for the caller to raise."""
+        with self.changed:
+            self.changed.wait_for(lambda: self.holder == side)
+        try:
+            work()
+        except BaseException as error:   # the other side runs on alone; the caller raises it after both
+            self.errors.append(error)
+        with self.changed:
+            self.done[side] = True
+            self.holder = 1 - side
+            self.changed.notify_all()
+
+
 class Pipeline:
     """One pipeline rank's part of a training step: its two chunks' forwards and backwards in DualPipeV order,
     activations and their gradients passed to the neighbouring ranks with batch_isend_irecv. Every rank reads
@@ -210,9 +248,10 @@ class Pipeline:
     gradients of the oldest deferring backward (defer_wgrad), or nothing."""
 
     def __init__(self, model: MoeModel, parallel: Parallel, dtype: torch.dtype, chunks: list[range],
-                 defer_wgrad: bool = False):
+                 defer_wgrad: bool = False, overlap: bool = False):
         """chunks: the layers of each of the 2pp chunks (chunk_layers); the model holds at least this rank's.
-        defer_wgrad: deferring backwards leave the expert weight gradients to W steps (not under FSDP)."""
+        defer_wgrad: deferring backwards leave the expert weight gradients to W steps (not under FSDP).
+        overlap: each pair's forward and backward take turns at their all-to-alls (expert parallelism)."""
         self.model, self.pp, self.rank, self.dtype = model, parallel.pp, parallel.coords["pp"], dtype
         self.group = parallel.group("pp")
         self.chunks = (self.rank, 2 * self.pp - 1 - self.rank)
@@ -221,7 +260,7 @@ class Pipeline:
             raise LayoutError(f"pipeline rank {self.rank} of pp={self.pp} runs chunks {self.chunks} of {len(chunks)}, "
                               f"but the model lacks their layers {missing}: build it with held_layers(chunks, rank)")
         self.layers = [list(chunks[chunk]) for chunk in self.chunks]
-        self.deferred = DeferredWeightGrads() if defer_wgrad else None
+        self.deferred, self.overlap = DeferredWeightGrads() if defer_wgrad else None, overlap
         for layer in moe_layers(model) if defer_wgrad else ():
             layer.experts.wgrad_queue = self.deferred
         self.peers = {r: dist.get_global_rank(self.group, r) for r in (self.rank - 1, self.rank + 1)
@@ -235,30 +274,65 @@ class Pipeline:
         self.kept, self.turn, self.sent = {}, {}, []
         self.incoming = {peer: [key for to, key in sends(self.pp, n, peer) if to == self.rank] for peer in self.peers}
         self.posted = {peer: {} for peer in self.peers}
-        for steps, batches in numbered(schedule(self.pp, n, self.rank)):
-            for step, i in zip(steps, batches):
-                if step.kind == "F":
-                    self.forward(step, i)
-                elif step.kind == "B":
-                    self.backward(step, i)
-                elif self.deferred is not None:
-                    self.deferred.run_oldest()
+        for steps, numbers in numbered(schedule(self.pp, n, self.rank)):
+            if len(steps) == 2 and self.overlap:
+                self.overlapped(steps, numbers)
+            else:
+                for step, i in zip(steps, numbers):
+                    self.run(step, i)
         for _, works in self.sent:
             for work in works:
                 work.wait()
         return self.loss
 
-    def forward(self, step: Step, i: int):
+    def run(self, step: Step, i: int):
+        """One step, what it gives passed on at once."""
+        if step.kind == "W":
+            if self.deferred is not None:
+                self.deferred.run_oldest()
+            return
+        out = self.forward(step, i) if step.kind == "F" else self.backward(step, i)
+        if out is not None:
+            self.give(step, i, out)
+
+    def overlapped(self, steps: tuple[Step, Step], numbers: list[int]):
+        """A (forward, backward) pair taking turns at their all-to-alls (Turns), the forward in a thread of its
+        own. What they give goes after both have ended, the forward's first: the order `sends` has the
+        neighbours expect, whichever of the two ends first."""
+        (f, b), (i, j) = steps, numbers
+        turns, outs, device = Turns(), {}, self.batches[i][0].device
+
+        def forward():
+            if device.type == "cuda":
+                torch.cuda.set_device(device)   # the CUDA device is the thread's own
+            outs[f] = self.forward(f, i)
+
+        thread = threading.Thread(target=turns.run, args=(0, forward), name="pith-overlapped-forward")
+        moe.comm_turns = turns
+        try:
+            thread.start()
+            turns.run(1, lambda: outs.update({b: self.backward(b, j)}))
+            thread.join()
+        finally:
+            moe.comm_turns = None
+        if turns.errors:
+            raise turns.errors[0]
+        for step, k in ((f, i), (b, j)):
+            if outs[step] is not None:
+                self.give(step, k, outs[step])
+
+    def forward(self, step: Step, i: int) -> torch.Tensor | None:
+        """The chunk's forward; returns the hidden states to give on (None after the loss)."""
         ids, labels, docs = self.batches[i]
         chunk = self.chunks[step.phase]
         inp = None if chunk == 0 else self.take(step, i).requires_grad_()
         x = self.model(ids, labels, docs, hidden=inp, layers=self.layers[step.phase])
-        if chunk == 2 * self.pp - 1:
+        last = chunk == 2 * self.pp - 1
+        if last:
             x = x / self.tokens
             self.loss = self.loss + x.detach()
-        else:
-            self.give(step, i, x.detach())
         self.kept[step.phase, i] = (inp, x)
+        return None if last else x.detach()
 
     @torch.no_grad()
     def loss_sum(self, input_ids, labels, docs=None) -> torch.Tensor:
@@ -279,13 +353,13 @@ class Pipeline:
                 dist.send(x, self.peers[holder[chunk + 1]], self.group)
         return loss
 
-    def backward(self, step: Step, i: int):
+    def backward(self, step: Step, i: int) -> torch.Tensor | None:
+        """The chunk's backward; returns the gradient of its input to give on (None for the embedding's)."""
         inp, out = self.kept.pop((step.phase, i))
         grad = None if self.chunks[step.phase] == 2 * self.pp - 1 else self.take(step, i)   # the loss: none
         with self.deferred.collecting() if self.deferred is not None and step.defer else contextlib.nullcontext():
             out.backward(grad)
-        if inp is not None:
-            self.give(step, i, inp.grad)
+        return None if inp is None else inp.grad
 
     def take(self, step: Step, i: int) -> torch.Tensor:
         """What the step gets from the rank before it in its flow, or at the turn of the V from this rank."""

@@ -3,6 +3,9 @@
 A model file writes stages 1 (attention_stage), 3 (expert_stage) and 5 (aggregate_stage) of its layers;
 this module owns stages 2 and 4 (dispatch and combine) and runs the five in order. That plain order is
 the single-process reference that every parallel and pipelined schedule is compared against.
+
+Each all-to-all goes through `exchange`: while a pipeline's overlapped pair runs (`comm_turns`, set by
+pith_engine.dualpipev), the other micro-batch's computation runs while it is in flight.
 """
 from dataclasses import dataclass
 
@@ -57,7 +60,7 @@ def dispatch(tokens: torch.Tensor, routing: Routing, num_experts: int, group=Non
     slots_per_rank = count_per_expert(routing.expert_ids // local_experts, ranks)
     counts = torch.stack([pairs_per_rank, slots_per_rank], 1)
     received = torch.empty_like(counts)
-    dist.all_to_all_single(received, counts, group=group)
+    exchange(received, counts, None, None, group)
     sent, got = torch.stack([counts, received]).tolist()   # the one host sync: all_to_all needs sizes
     send_counts, recv_counts = [pairs for pairs, _ in sent], [pairs for pairs, _ in got]
     pair_slot = pair_token * ranks + pair_rank
@@ -212,6 +215,19 @@ def attach_aux_loss(x: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
     return _AttachAuxLoss.apply(x, aux_loss)
 
 
+comm_turns = None   # while a pipeline's overlapped pair runs, its pith_engine.dualpipev.Turns
+
+
+def exchange(out: torch.Tensor, x: torch.Tensor, out_splits, in_splits, group) -> torch.Tensor:
+    """all_to_all_single into `out`, launched, then, inside an overlapped pair, the turn passes to the other
+    micro-batch (whose computation runs while this is in flight), then waited for."""
+    work = dist.all_to_all_single(out, x, out_splits, in_splits, group=group, async_op=True)
+    if comm_turns is not None:
+        comm_turns.pass_turn()
+    work.wait()
+    return out
+
+
 class _AllToAll(torch.autograd.Function):
     """all_to_all_single with uneven splits whose backward is the reverse exchange: the gradient of each
     received row goes back to the rank that sent it."""
@@ -220,14 +236,12 @@ class _AllToAll(torch.autograd.Function):
     def forward(ctx, x, send_counts, recv_counts, group):
         ctx.send_counts, ctx.recv_counts, ctx.group = send_counts, recv_counts, group
         out = x.new_empty(sum(recv_counts), *x.shape[1:])
-        dist.all_to_all_single(out, x.contiguous(), recv_counts, send_counts, group=group)
-        return out
+        return exchange(out, x.contiguous(), recv_counts, send_counts, group)
 
     @staticmethod
     def backward(ctx, grad):
         grad_x = grad.new_empty(sum(ctx.send_counts), *grad.shape[1:])
-        dist.all_to_all_single(grad_x, grad.contiguous(), ctx.send_counts, ctx.recv_counts, group=ctx.group)
-        return grad_x, None, None, None
+        return exchange(grad_x, grad.contiguous(), ctx.send_counts, ctx.recv_counts, ctx.group), None, None, None
 
 
 def all_to_all(x: torch.Tensor, send_counts: list[int], recv_counts: list[int], group=None) -> torch.Tensor:

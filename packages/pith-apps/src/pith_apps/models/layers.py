@@ -196,6 +196,16 @@ class Embedding(nn.Embedding):
         return embedding(ids, self.weight)
 
 
+class LMHead(nn.Linear):
+    """The logits, or with labels the token-summed fp32 cross-entropy without materializing them; the loss too
+    is a call of this module, for FSDP to gather its weight around."""
+
+    def forward(self, x, labels=None):
+        if labels is None:
+            return super().forward(x)
+        return linear_cross_entropy(x.flatten(0, 1), self.weight, labels.flatten())
+
+
 class CausalLM(nn.Module):
     """What the three families' top-level models share: the Hugging Face trunk (model.embed_tokens,
     model.layers, model.norm, lm_head), init, logits, loss and the checkpoint views; with the family's
@@ -212,7 +222,7 @@ class CausalLM(nn.Module):
         trunk = dict(embed_tokens=Embedding(cfg.vocab_size, cfg.hidden_size)) if 0 in held else {}
         trunk["layers"] = nn.ModuleDict({str(n): make_layer(n) for n in held})   # names as the files': layers.N.
         self.model = nn.ModuleDict(trunk | (dict(norm=norm) if last in held else {}))
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if last in held else None
+        self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size, bias=False) if last in held else None
         self.wgrad_pairs = None   # pith_engine.data_parallel.pair_expert_wgrads
 
     @torch.no_grad()
@@ -262,9 +272,7 @@ class CausalLM(nn.Module):
             x = self.model.layers[str(n)](x, *layer_args)
         if numbers[-1] != self.config.num_hidden_layers - 1:
             return x
-        if labels is None:
-            return self.lm_head(self.model.norm(x))
-        return linear_cross_entropy(self.model.norm(x).flatten(0, 1), self.lm_head.weight, labels.flatten())
+        return self.lm_head(self.model.norm(x), labels)
 
     def loss_sum(self, input_ids, labels, docs=None):
         return self(input_ids, labels, docs)
