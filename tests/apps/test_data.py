@@ -30,7 +30,7 @@ def test_each_epoch_uses_every_sample_once_across_the_data_ranks(ranks):
         assert torch.equal(ids[:, 1:], labels[:, :-1]) and ids.dtype == torch.int64
         read = []   # what the data ranks read of this step's global batch
         for rank in range(ranks):
-            parallel = SimpleNamespace(data_rank=rank, data_ranks=ranks)
+            parallel = SimpleNamespace(data_rank=rank, data_ranks=ranks, cp=1)
             for rows, _ in micro_batches_of(args, parallel, ids, labels):
                 read.extend(int(row[0]) for row in rows)
         seen.extend(int(row[0]) for row in ids)

@@ -14,7 +14,7 @@ from pith_apps.config import read_json
 from pith_apps.options import PRESETS
 from pith_engine.dualpipev import Turns
 from pith_engine.parallel import LayoutError
-from test_train import tensorboard_events
+from test_train import assert_same_scalars, tensorboard_events
 
 # micro-batches of one sequence, 8 per step: 4 per data rank at pp 2 x ep 2, the fewest DualPipeV runs at pp = 2
 RUN = ["--batch-size", "8", "--micro-batch-size", "1", "--seq-len", "32", "--warmup", "2", "--schedule", "constant",
@@ -107,11 +107,7 @@ def test_the_pipelines_held_out_aux_losses_and_expert_loads_are_the_one_process_
     """TensorBoard of the pp = 2 run (rank 0 logs; the other rank's layers joined in) against the 1-process run:
     held-out loss at steps 3 and 6, the aux loss of every step, each MoE layer's expert-load histogram; 1e-5."""
     ours, theirs = (tensorboard_events(runs["root"] / name / "tb") for name in ("pp2", "one"))
-    for tag in ("eval/loss", "train/aux_loss"):
-        got, expected = ours.Scalars(tag), theirs.Scalars(tag)
-        assert [e.step for e in got] == [e.step for e in expected] and len(got) >= 2, tag
-        for a, b in zip(got, expected):
-            assert abs(a.value - b.value) < 1e-5 * abs(b.value), tag
+    assert_same_scalars(ours, theirs, ("eval/loss", "train/aux_loss"), 1e-5)
     layers = [tag for tag in theirs.Tags()["histograms"] if tag.startswith("experts/load_of_layer_")]
     assert len(layers) == 4 and sorted(ours.Tags()["histograms"]) == sorted(layers)
     for tag in layers:

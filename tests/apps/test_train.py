@@ -404,6 +404,16 @@ def tensorboard_events(folder):
     return events
 
 
+def assert_same_scalars(ours, theirs, tags, relative: float):
+    """Each tag's scalars in two runs' TensorBoard events: logged at the same steps (at least two), values within
+    `relative` of each other."""
+    for tag in tags:
+        got, expected = ours.Scalars(tag), theirs.Scalars(tag)
+        assert [e.step for e in got] == [e.step for e in expected] and len(got) >= 2, tag
+        for a, b in zip(got, expected):
+            assert abs(a.value - b.value) < relative * abs(b.value), tag
+
+
 def test_tensorboard_holds_the_scalars_the_held_out_loss_and_the_expert_load_pictures(tmp_path):
     """6 steps, evaluated at 3 and 6 on the corpus's last 2 global batches (held out), pictures at 3 and 6, MFU
     against a given peak. The

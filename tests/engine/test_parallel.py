@@ -35,16 +35,15 @@ def test_impossible_world_layouts_are_named(sizes, message):
 @pytest.mark.parametrize("layout,model,message", [
     (dict(ep=3), dict(num_experts=8), "num_experts=8 cannot be split over ep=3"),
     (dict(pp=2), dict(num_layers=3), r"num_hidden_layers=3 is fewer than the 2 x pp = 4"),
-    (dict(cp=3), dict(num_heads=4), "num_attention_heads=4 is not divisible by cp=3"),
     (dict(cp=2), dict(seq_len=6), r"seq_len=6 must be divisible by 2 x cp = 4"),
 ])
 def test_models_that_cannot_be_cut_are_named(layout, model, message):
-    sizes = dict(num_layers=8, num_experts=8, num_heads=4, seq_len=64) | model
+    sizes = dict(num_layers=8, num_experts=8, seq_len=64) | model
     with pytest.raises(LayoutError, match=message):
         Parallel(**layout).check_model(**sizes)
 
 
 def test_a_single_layer_model_needs_no_pipeline_chunks():
-    Parallel().check_model(num_layers=1, num_experts=8, num_heads=4, seq_len=64)   # raises on a regression
+    Parallel().check_model(num_layers=1, num_experts=8, seq_len=64)   # raises on a regression
     with pytest.raises(LayoutError, match=r"num_hidden_layers=1 is fewer than the 2 x pp = 4"):
-        Parallel(pp=2).check_model(num_layers=1, num_experts=8, num_heads=4, seq_len=64)
+        Parallel(pp=2).check_model(num_layers=1, num_experts=8, seq_len=64)

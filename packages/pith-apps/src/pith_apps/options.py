@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--balance", help="Expert load balancing: " + ", ".join(BALANCE_MODES) + " (default: the family's own, "
         "sequence for DeepSeek-V2 with seq_aux, else global_batch).")
     for dim, meaning in (("dp", "data (FSDP2)"), ("ep", "expert"), ("pp", "pipeline (DualPipeV)"),
-                         ("cp", "context (validated, not built yet)")):
+                         ("cp", "context (zigzag ring attention)")):
         add(f"--{dim}", type=int, default=1, help=f"The {meaning}-parallel size; the product of the four sizes "
             "must be the number of processes (default: 1).")
     add("--chunk-layers", help="With --pp P: the decoder layers of each of the 2P pipeline chunks, comma-separated "

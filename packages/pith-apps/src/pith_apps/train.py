@@ -27,6 +27,7 @@ from pith_apps.options import (DTYPES, MODELS, check_args, hf_config_data, model
                                run_config_text)
 from pith_apps.run_log import RunLog
 from pith_engine.compile import compile_stages
+from pith_engine.context_parallel import zigzag_part
 from pith_engine.contract import check_model, moe_layers
 from pith_engine.cuda_graph import CaptureError, StepGraph
 from pith_engine.dualpipev import Pipeline, chunk_layers, held_layers, schedule
@@ -103,8 +104,9 @@ def layout(args) -> tuple[Parallel, torch.device]:
             torch.cuda.set_device(device)   # Triton launches, streams and graphs use the current device
         device = torch.device("cuda", torch.cuda.current_device())
     parallel = Parallel.build(args.pp, args.dp, args.cp, args.ep, device.type)
-    if parallel.cp > 1:
-        raise LayoutError(f"--cp={parallel.cp}: context parallelism is not built yet; use --cp 1")
+    if parallel.cp > 1 and (args.doc_mask or args.compile):
+        raise LayoutError(f"--cp={parallel.cp} does not work with --{'doc-mask' if args.doc_mask else 'compile'} (ring "
+                          "attention masks by position only, and passes blocks between compiled graphs); drop one")
     if args.batch_size % parallel.data_ranks:
         raise LayoutError(f"--batch-size={args.batch_size} cannot be split over dp x ep = {parallel.data_ranks} data "
                           f"ranks; choose a multiple of {parallel.data_ranks}")
@@ -130,7 +132,7 @@ def build_model(model_cls, cfg, parallel: Parallel, device: torch.device, dtype:
     check_model(model)
     moe = moe_layers(model)
     require(moe, f"all {cfg.num_hidden_layers} layers of the model are dense, none MoE; raise --layers")
-    parallel.check_model(cfg.num_hidden_layers, moe[0].num_experts, cfg.num_attention_heads, seq_len)
+    parallel.check_model(cfg.num_hidden_layers, moe[0].num_experts, seq_len)
     shard_model(model, parallel, param_dtype=dtype)
     if parallel.world == 1 and micro_batches > 1:
         pair_expert_wgrads(model)
@@ -145,11 +147,15 @@ def micro_batch_size(args, parallel: Parallel) -> int:
 
 def micro_batches_of(args, parallel: Parallel, input_ids, labels):
     """This rank's micro-batches of a global batch. Micro-batch j is the same rows of the global batch under
-    every layout (size x data ranks rows from row j x that), of which data rank r reads the r-th share."""
-    size = micro_batch_size(args, parallel)
+    every layout (size x data ranks rows from row j x that), of which data rank r reads the r-th share; of those
+    rows a context-parallel rank takes its zigzag part of the columns."""
+    size, cp = micro_batch_size(args, parallel), parallel.cp
     for first in range(0, args.batch_size, size * parallel.data_ranks):
         rows = slice(first + parallel.data_rank * size, first + (parallel.data_rank + 1) * size)
-        yield input_ids[rows], labels[rows]
+        if cp == 1:
+            yield input_ids[rows], labels[rows]
+        else:
+            yield zigzag_part(input_ids[rows], cp, parallel.coords["cp"]), zigzag_part(labels[rows], cp, parallel.coords["cp"])
 
 
 def train_on(args, cfg, parallel: Parallel, device: torch.device, data, folder, run_id: str,
@@ -170,7 +176,7 @@ def train_on(args, cfg, parallel: Parallel, device: torch.device, data, folder, 
         pipeline = Pipeline(model, parallel, dtype, chunks, defer_wgrad=not parallel.sharded, overlap=parallel.ep > 1)
     if args.init and not resume_from:   # a resumed run's weights come from its checkpoint
         init_from_hf(args, parallel, model, folder)
-    if args.compile if args.compile is not None else device.type == "cuda":
+    if args.compile if args.compile is not None else device.type == "cuda" and parallel.cp == 1:
         compile_stages(model)
     optimizer = adamw(model, args.lr, args.weight_decay)
     graph = step_graph(args, parallel, device, model, optimizer)
@@ -183,7 +189,7 @@ def train_on(args, cfg, parallel: Parallel, device: torch.device, data, folder, 
     progress = make_progress(start, args) if lead else lambda loss, tokens_per_s: None
     hf_config, peak = hf_config_data(args), args.peak_tflops or peak_tflops(device)
     flops = flops_per_token(hf_config, args.seq_len)   # per token of training, for the MFU
-    saved_meta = dict(run=run_id, config=config_dict(cfg), layout=dict(pp=parallel.pp, dp=parallel.dp, ep=parallel.ep),
+    saved_meta = dict(run=run_id, config=config_dict(cfg), layout=dict(pp=parallel.pp, dp=parallel.dp, cp=parallel.cp, ep=parallel.ep),
                       model=args.model, hf_config=hf_config, tokenizer=args.tokenizer)
     export_checkpoint = args.export_hf and parallel.world > 1   # several processes export from the last checkpoint
     with StopSignals() as signals, RunLog(folder.tb, start, lead, args.image_every) as log:

@@ -108,19 +108,22 @@ class LoadBalance(nn.Module):
       probability of e, over a balancing unit: a micro-batch of all data ranks together ("global_batch";
       on one process, the micro-batch), each rank's own micro-batch ("micro_batch") or each sequence
       ("sequence"), averaged over all units of an optimizer step (micro_batches micro-batches of every data
-      rank); scale is num_experts (switch loss) or num_experts / top_k (DeepSeek). Each rank attaches its
+      rank); scale is num_experts (switch loss) or num_experts / top_k (DeepSeek). Under context parallelism
+      (context_group, the cp ranks sharing each sequence) a sequence's counts are summed over its ranks. Each rank attaches its
       share, so the gradients summed over data ranks and micro-batches are those of the step's loss.
     - "aux_free": no loss; a per-expert bias added to the scores steers which experts are chosen (not their
       weights) and moves by bias_rate toward the mean load after every optimizer step (DeepSeek-V3)."""
 
     def __init__(self, num_experts: int, mode: str, coef: float, scale: float, data_group=None, bias_rate: float = 1e-3,
-                 micro_batches: int = 1):
+                 micro_batches: int = 1, context_group=None):
         super().__init__()
         if mode not in BALANCE_MODES:
             raise ValueError(f"load balance mode {mode!r} is unknown; valid: {', '.join(BALANCE_MODES)}")
         self.num_experts, self.mode, self.coef, self.scale = num_experts, mode, coef, scale
         self.data_group, self.bias_rate, self.micro_batches = data_group, bias_rate, micro_batches
         self.data_ranks = dist.get_world_size(data_group) if data_group is not None else 1
+        self.context_group = context_group
+        self.context_ranks = dist.get_world_size(context_group) if context_group is not None else 1
         self.register_buffer("expert_bias", torch.zeros(num_experts))
         # what the training forwards of this step routed (slots per expert) and attached (aux loss), this rank's
         self.register_buffer("expert_load", torch.zeros(num_experts), persistent=False)
@@ -165,6 +168,11 @@ class LoadBalance(nn.Module):
             1, ids, torch.ones(ids.shape, device=probs.device))
         tokens = probs.shape[0] // units
         prob_sums = probs.reshape(units, tokens, -1).sum(1)
+        if self.mode == "sequence" and self.context_group is not None:   # each sequence's tokens on all its cp ranks
+            counts = funcol.all_reduce(counts, "sum", self.context_group)
+            tokens *= self.context_ranks
+            return (counts / tokens * prob_sums / tokens).sum() / (units * self.data_ranks // self.context_ranks
+                                                                   * self.micro_batches)
         if self.mode == "global_batch":   # one unit: every data rank's tokens; counts from all, probs from here
             if self.data_group is not None:
                 counts = funcol.all_reduce(counts, "sum", self.data_group)

@@ -92,7 +92,7 @@ class Parallel:
             ranks = [r * size + c for r in ranks for c in choices]
         return ranks
 
-    def check_model(self, num_layers: int, num_experts: int, num_heads: int, seq_len: int):
+    def check_model(self, num_layers: int, num_experts: int, seq_len: int):
         """Errors for a layout this model cannot be cut into."""
         if num_experts % self.ep:
             raise LayoutError(f"num_experts={num_experts} cannot be split over ep={self.ep} ranks; "
@@ -100,8 +100,6 @@ class Parallel:
         if self.pp > 1 and num_layers < 2 * self.pp:
             raise LayoutError(f"num_hidden_layers={num_layers} is fewer than the 2 x pp = {2 * self.pp} pipeline chunks "
                               f"DualPipeV needs; choose pp <= {num_layers // 2}")
-        if num_heads % self.cp:
-            raise LayoutError(f"num_attention_heads={num_heads} is not divisible by cp={self.cp}")
         if seq_len % (2 * self.cp):
             raise LayoutError(f"seq_len={seq_len} must be divisible by 2 x cp = {2 * self.cp} "
                               f"(each context-parallel rank holds two chunks)")

@@ -21,8 +21,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from pith_apps.config import config_from_dict, require
-from pith_apps.models.layers import (CausalLM, MoeDecoderLayer, RMSNorm, causal_attention, SwiGLUExperts, apply_rotary, default_inv_freq, rope_parameters,
-                                     rotary_cos_sin, token_positions, yarn_inv_freq, yarn_mscale)
+from pith_apps.models.layers import (CausalLM, ContextParallelAttention, MoeDecoderLayer, RMSNorm, causal_attention,
+                                     SwiGLUExperts, apply_rotary, default_inv_freq, rope_parameters, rotary_cos_sin,
+                                     yarn_inv_freq, yarn_mscale)
+from pith_engine.context_parallel import ring_attention
 from pith_engine.moe import LoadBalance, Routing
 from pith_engine.parallel import Parallel
 
@@ -142,9 +144,9 @@ class DeepseekV2MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class DeepseekV2Attention(nn.Module):
-    def __init__(self, cfg: DeepseekV2Config):
-        super().__init__()
+class DeepseekV2Attention(ContextParallelAttention):
+    def __init__(self, cfg: DeepseekV2Config, parallel: Parallel):
+        super().__init__(parallel)
         self.heads, self.kv_lora_rank = cfg.num_attention_heads, cfg.kv_lora_rank
         self.nope_dim, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         q_out, self.q_lora = self.heads * (self.nope_dim + self.rope_dim), bool(cfg.q_lora_rank)
@@ -166,13 +168,20 @@ class DeepseekV2Attention(nn.Module):
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
         q_nope, q_rope = q.view(batch, seq, self.heads, -1).transpose(1, 2).split([self.nope_dim, self.rope_dim], -1)
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], -1)
-        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(batch, seq, self.heads, -1).transpose(1, 2)
-        k_nope, v = kv.split([self.nope_dim, self.v_dim], -1)
-        k_rope = apply_rotary_pairs(k_rope.unsqueeze(1), cos, sin).expand(-1, self.heads, -1, -1)  # one for all heads
+        latent, k_rope = self.kv_a_layernorm(latent), apply_rotary_pairs(k_rope.unsqueeze(1), cos, sin)
         query = torch.cat([q_nope, apply_rotary_pairs(q_rope, cos, sin)], -1)
-        key = torch.cat([k_nope, k_rope], -1)
-        out = causal_attention(query, key, v, self.scale, docs=docs)
+        if self.ring is not None:   # the latent and the shared rope key travel, not each head's key and value
+            out = ring_attention(query, (latent, k_rope), self.keys_and_values, self.ring, self.scale)[0]
+        else:
+            out = causal_attention(query, *self.keys_and_values(latent, k_rope), self.scale, docs=docs)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+
+    def keys_and_values(self, latent, k_rope):
+        """Each head's key (its nope part from the normed latent, the rope part shared) and value."""
+        batch, seq, _ = latent.shape
+        kv = self.kv_b_proj(latent).view(batch, seq, self.heads, -1).transpose(1, 2)
+        k_nope, v = kv.split([self.nope_dim, self.v_dim], -1)
+        return torch.cat([k_nope, k_rope.expand(-1, self.heads, -1, -1)], -1), v   # one rope key for all heads
 
 
 class DeepseekV2Moe(nn.Module):
@@ -192,13 +201,14 @@ class DeepseekV2DecoderLayer(MoeDecoderLayer):
         self.is_moe, self.num_experts, self.top_k = moe, cfg.n_routed_experts, cfg.num_experts_per_tok
         self.cfg = cfg
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = DeepseekV2Attention(cfg)
+        self.self_attn = DeepseekV2Attention(cfg, parallel)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = DeepseekV2Moe(cfg, parallel) if moe else DeepseekV2MLP(cfg.hidden_size, cfg.intermediate_size)
         if moe:   # DeepSeek's expert balance loss is the switch loss divided by top_k
             self.balance = LoadBalance(cfg.n_routed_experts, balance or ("sequence" if cfg.seq_aux else "global_batch"),
                                        cfg.aux_loss_alpha, cfg.n_routed_experts / cfg.num_experts_per_tok,
-                                       parallel.group("dp", "cp", "ep"), micro_batches=micro_batches)
+                                       parallel.group("dp", "cp", "ep"), micro_batches=micro_batches,
+                                       context_group=parallel.group("cp"))
 
     def forward(self, x, cos, sin, docs=None):
         if self.is_moe:
@@ -239,7 +249,7 @@ class DeepseekV2ForCausalLM(CausalLM):
         the layer numbers this process builds (CausalLM)."""
         super().__init__(cfg, lambda n: DeepseekV2DecoderLayer(cfg, n >= cfg.first_k_dense_replace, parallel, balance,
                                                                micro_batches),
-                         RMSNorm(cfg.hidden_size, cfg.rms_norm_eps), held_layers)
+                         RMSNorm(cfg.hidden_size, cfg.rms_norm_eps), held_layers, parallel)
 
-    def layer_args(self, input_ids, docs, dtype):
-        return (*rotary_tables(self.config, token_positions(input_ids, docs), dtype), docs)
+    def layer_args(self, positions, docs, dtype):
+        return (*rotary_tables(self.config, positions, dtype), docs)

@@ -18,8 +18,9 @@ from torch import nn
 from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
 
 from pith_apps.config import config_from_dict, require
-from pith_apps.models.layers import (CausalLM, MoeDecoderLayer, LocalExperts, RMSNorm, apply_rotary, rope_parameters,
-                                     rotary_cos_sin, token_positions, visible, yarn_inv_freq, yarn_mscale)
+from pith_apps.models.layers import (CausalLM, ContextParallelAttention, MoeDecoderLayer, LocalExperts, RMSNorm,
+                                     apply_rotary, rope_parameters, rotary_cos_sin, visible, yarn_inv_freq, yarn_mscale)
+from pith_engine.context_parallel import ring_attention
 from pith_engine.moe import LoadBalance, Routing
 from pith_engine.parallel import Parallel
 from pith_ops.grouped_gemm import grouped_bias_add, grouped_linear
@@ -110,13 +111,17 @@ def yarn_fields(rope: dict) -> dict:
     return fields | ({"rope_theta": rope["rope_theta"]} if "rope_theta" in rope else {})
 
 
-def attention_with_sinks(q, k, v, sinks, window: int | None, scale: float, docs=None):
+def attention_with_sinks(q, k, v, sinks, window: int | None, scale: float, docs=None, ring=None):
     """Causal attention whose softmax has one extra column per head, the learned sink logit, dropped before
     multiplying V (so a row's weights sum to < 1). window: token i sees i - window + 1 .. i; docs ([batch, seq]
     document index of each token): only tokens of its own document.
     q [batch, heads, seq, dim], k and v [batch, kv_heads, seq, dim] -> [batch, heads, seq, dim].
     On CUDA: compiled flex_attention (no [seq, seq] scores in memory) and the sink as a rescale by the
-    log-sum-exp; elsewhere (flex_attention has no CPU backward) the materialized reference."""
+    log-sum-exp; elsewhere (flex_attention has no CPU backward) the materialized reference. ring: the
+    context-parallel group (pith_engine.context_parallel.ring_attention, then the same rescale by its lse)."""
+    if ring is not None:
+        out, lse = ring_attention(q, (k, v), lambda k, v: (k, v), ring, scale, window)
+        return sink_rescale(out, lse, sinks)
     if q.is_cuda and docs is None:
         return flex_attention_with_sinks(q, k, v, sinks, window, scale)
     return materialized_attention_with_sinks(q, k, v, sinks, window, scale, docs)
@@ -156,12 +161,18 @@ def flex_attention_with_sinks(q, k, v, sinks, window: int | None, scale: float, 
     attend = attend or (flex_attention if torch.compiler.is_compiling() else compiled_flex_attention())
     out, aux = attend(q, k, v, block_mask=window_block_mask(q.shape[2], window, str(q.device)),
                       scale=scale, enable_gqa=True, return_aux=AuxRequest(lse=True))
-    return out * torch.sigmoid(aux.lse - sinks.float()[None, :, None]).unsqueeze(-1).to(out.dtype)
+    return sink_rescale(out, aux.lse, sinks)
 
 
-class GptOssAttention(nn.Module):
-    def __init__(self, cfg: GptOssConfig, layer_type: str):
-        super().__init__()
+def sink_rescale(out, lse, sinks):
+    """Attention out [batch, heads, seq, dim] with its log-sum-exp lse, as if each row's softmax had had the extra
+    sink column: out * sigmoid(lse - sink)."""
+    return out * torch.sigmoid(lse - sinks.float()[None, :, None]).unsqueeze(-1).to(out.dtype)
+
+
+class GptOssAttention(ContextParallelAttention):
+    def __init__(self, cfg: GptOssConfig, layer_type: str, parallel: Parallel):
+        super().__init__(parallel)
         self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.window = cfg.sliding_window if layer_type == "sliding_attention" else None
         self.q_proj = nn.Linear(cfg.hidden_size, self.heads * self.head_dim)
@@ -176,7 +187,7 @@ class GptOssAttention(nn.Module):
         k = self.k_proj(x).view(batch, seq, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, seq, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = attention_with_sinks(q, k, v, self.sinks, self.window, self.head_dim ** -0.5, docs)
+        out = attention_with_sinks(q, k, v, self.sinks, self.window, self.head_dim ** -0.5, docs, self.ring)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -222,11 +233,12 @@ class GptOssDecoderLayer(MoeDecoderLayer):
         super().__init__()
         self.num_experts, self.top_k = cfg.num_local_experts, cfg.num_experts_per_tok
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, scale_in_fp32=True)
-        self.self_attn = GptOssAttention(cfg, layer_type)
+        self.self_attn = GptOssAttention(cfg, layer_type, parallel)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, scale_in_fp32=True)
         self.mlp = GptOssSparseBlock(cfg, parallel)
         self.balance = LoadBalance(cfg.num_local_experts, balance, cfg.router_aux_loss_coef, cfg.num_local_experts,
-                                   parallel.group("dp", "cp", "ep"), micro_batches=micro_batches)
+                                   parallel.group("dp", "cp", "ep"), micro_batches=micro_batches,
+                                   context_group=parallel.group("cp"))
 
     def attention_stage(self, x, cos, sin, docs=None):
         hidden = x + self.self_attn(self.input_layernorm(x), cos, sin, docs)
@@ -244,11 +256,10 @@ class GptOssForCausalLM(CausalLM):
         """micro_batches: per data rank per optimizer step, which the aux losses are averaged over. held_layers:
         the layer numbers this process builds (CausalLM)."""
         super().__init__(cfg, lambda n: GptOssDecoderLayer(cfg, cfg.layer_types[n], parallel, balance, micro_batches),
-                         RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, scale_in_fp32=True), held_layers)
+                         RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, scale_in_fp32=True), held_layers, parallel)
 
-    def layer_args(self, input_ids, docs, dtype):
+    def layer_args(self, positions, docs, dtype):
         cfg = self.config
-        positions = token_positions(input_ids, docs)
         inv_freq = yarn_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_factor, cfg.rope_original_max_position,
                                  cfg.rope_beta_fast, cfg.rope_beta_slow, cfg.rope_truncate, positions.device)
         return (*rotary_cos_sin(positions, inv_freq, dtype, scale=cfg.rope_attention_factor), docs)

@@ -13,9 +13,10 @@ from torch import nn
 from pith_ops.cross_entropy import linear_cross_entropy
 from pith_ops.grouped_gemm import grouped_linear
 from pith_ops.swiglu import swiglu
+from pith_engine.context_parallel import ring_attention, zigzag_positions
 from pith_engine.data_parallel import embedding, local_part, this_ranks_part
 from pith_engine.moe import run_moe_layer
-from pith_engine.parallel import Parallel
+from pith_engine.parallel import LayoutError, Parallel
 
 
 class RMSNorm(nn.Module):
@@ -110,18 +111,37 @@ def apply_rotary(x, cos, sin):
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
-def causal_attention(q, k, v, scale: float, enable_gqa: bool = False, docs: torch.Tensor | None = None):
+def causal_attention(q, k, v, scale: float, enable_gqa: bool = False, docs: torch.Tensor | None = None, ring=None):
     """Causal SDPA, q [batch, heads, seq, dim], k and v [batch, kv_heads, seq, dim]; never materializes scores on GPU.
     With docs ([batch, seq] document index of each token) a token sees only its own document's, through a
     [batch, 1, seq, seq] mask, which rules out the flash and cuDNN kernels (--doc-mask costs that).
     The backend is torch's choice, made once per process at the first CUDA call: cuDNN first on Hopper and
     Blackwell, the only fast kernel there for MLA's query/key 192 vs value 128 head dims (bench/RESULTS.md).
     No sdpa_kernel context here: one around that first call restores, on exit, the order from before torch made
-    its choice, which keeps the whole process off cuDNN (transformers' DeepSeek-V2 step then ran 1/3 slower)."""
+    its choice, which keeps the whole process off cuDNN (transformers' DeepSeek-V2 step then ran 1/3 slower).
+    ring: the context-parallel group; q, k and v are then this rank's zigzag part of the sequence, and the keys
+    and values of the others' parts come around the ring (pith_engine.context_parallel)."""
+    if ring is not None:
+        return ring_attention(q, (k, v), lambda k, v: (k, v), ring, scale)[0]
     if docs is not None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=visible(q.shape[2], q.device, docs), scale=scale,
                                               enable_gqa=enable_gqa)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa)
+
+
+class ContextParallelAttention(nn.Module):
+    """What the families' attention modules share: `ring`, the context-parallel group their attention passes key
+    and value blocks around (None without context parallelism), looked up when used, so that a layer can be built
+    and loaded without a process group. (A plain property: a cached one takes a lock, which torch.compile of
+    the attention stage cannot trace.)"""
+
+    def __init__(self, parallel: Parallel):
+        super().__init__()
+        self.parallel = parallel
+
+    @property
+    def ring(self):
+        return self.parallel.group("cp") if self.parallel.cp > 1 else None
 
 
 class MoeDecoderLayer(nn.Module):
@@ -212,11 +232,12 @@ class CausalLM(nn.Module):
     layers, a pith_engine.contract.MoeModel. A subclass passes in its own layers and final norm and writes
     layer_args (what its layers take after x)."""
 
-    def __init__(self, cfg, make_layer, norm: nn.Module, held_layers=None):
+    def __init__(self, cfg, make_layer, norm: nn.Module, held_layers=None, parallel: Parallel = Parallel()):
         """make_layer(n): decoder layer n. held_layers: the layer numbers this process builds (a pipeline rank's
-        chunks; default all), the embedding with layer 0, the final norm and LM head with the last."""
+        chunks; default all), the embedding with layer 0, the final norm and LM head with the last. parallel:
+        with cp > 1 the model takes this rank's zigzag part of each sequence (its positions, `positions`)."""
         super().__init__()
-        self.config = cfg
+        self.config, self.parallel = cfg, parallel
         held = range(cfg.num_hidden_layers) if held_layers is None else sorted(held_layers)
         last = cfg.num_hidden_layers - 1
         trunk = dict(embed_tokens=Embedding(cfg.vocab_size, cfg.hidden_size)) if 0 in held else {}
@@ -266,13 +287,24 @@ class CausalLM(nn.Module):
         input_ids); the hidden states they output unless they end with the model's last layer. One entry point
         for every piece, so that mixed precision and FSDP, which hook it, wrap each."""
         x = self.model.embed_tokens(input_ids) if hidden is None else hidden
-        layer_args = self.layer_args(input_ids, docs, x.dtype)
+        layer_args = self.layer_args(self.positions(input_ids, docs), docs, x.dtype)
         numbers = list(self.layers) if layers is None else layers
         for n in numbers:
             x = self.model.layers[str(n)](x, *layer_args)
         if numbers[-1] != self.config.num_hidden_layers - 1:
             return x
         return self.lm_head(self.model.norm(x), labels)
+
+    def positions(self, input_ids, docs):
+        """Each token's rotary position: in its sequence ([seq]), or in its document ([batch, seq], docs); under
+        context parallelism, of this rank's zigzag part of the sequence."""
+        cp = self.parallel.cp
+        if cp == 1:
+            return token_positions(input_ids, docs)
+        if docs is not None:
+            raise LayoutError(f"--doc-mask is not supported with --cp={cp} (ring attention masks by position only); "
+                              "drop one of them")
+        return zigzag_positions(input_ids.shape[1], cp, self.parallel.coords["cp"], input_ids.device)
 
     def loss_sum(self, input_ids, labels, docs=None):
         return self(input_ids, labels, docs)

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from pith_apps.config import config_from_dict, require
-from pith_apps.models.layers import (CausalLM, MoeDecoderLayer, RMSNorm, causal_attention, SwiGLUExperts, apply_rotary,
-                                     default_inv_freq, rope_parameters, rotary_cos_sin, token_positions)
+from pith_apps.models.layers import (CausalLM, ContextParallelAttention, MoeDecoderLayer, RMSNorm, causal_attention,
+                                     SwiGLUExperts, apply_rotary, default_inv_freq, rope_parameters, rotary_cos_sin)
 from pith_engine.moe import LoadBalance, Routing
 from pith_engine.parallel import Parallel
 
@@ -65,9 +65,9 @@ class Qwen3MoeConfig:
         return cfg
 
 
-class Qwen3MoeAttention(nn.Module):
-    def __init__(self, cfg: Qwen3MoeConfig):
-        super().__init__()
+class Qwen3MoeAttention(ContextParallelAttention):
+    def __init__(self, cfg: Qwen3MoeConfig, parallel: Parallel):
+        super().__init__(parallel)
         self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.q_proj = nn.Linear(cfg.hidden_size, self.heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
@@ -82,7 +82,7 @@ class Qwen3MoeAttention(nn.Module):
         k = self.k_norm(self.k_proj(x).view(batch, seq, self.kv_heads, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(batch, seq, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = causal_attention(q, k, v, self.head_dim ** -0.5, enable_gqa=True, docs=docs)
+        out = causal_attention(q, k, v, self.head_dim ** -0.5, enable_gqa=True, docs=docs, ring=self.ring)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -98,11 +98,12 @@ class Qwen3MoeDecoderLayer(MoeDecoderLayer):
         super().__init__()
         self.num_experts, self.top_k, self.norm_topk_prob = cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Qwen3MoeAttention(cfg)
+        self.self_attn = Qwen3MoeAttention(cfg, parallel)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = Qwen3MoeSparseBlock(cfg, parallel)
         self.balance = LoadBalance(cfg.num_experts, balance, cfg.router_aux_loss_coef, cfg.num_experts,
-                                   parallel.group("dp", "cp", "ep"), micro_batches=micro_batches)
+                                   parallel.group("dp", "cp", "ep"), micro_batches=micro_batches,
+                                   context_group=parallel.group("cp"))
 
     def attention_stage(self, x, cos, sin, docs=None):
         hidden = x + self.self_attn(self.input_layernorm(x), cos, sin, docs)
@@ -121,9 +122,8 @@ class Qwen3MoeForCausalLM(CausalLM):
         """micro_batches: per data rank per optimizer step, which the aux losses are averaged over. held_layers:
         the layer numbers this process builds (CausalLM)."""
         super().__init__(cfg, lambda n: Qwen3MoeDecoderLayer(cfg, parallel, balance, micro_batches),
-                         RMSNorm(cfg.hidden_size, cfg.rms_norm_eps), held_layers)
+                         RMSNorm(cfg.hidden_size, cfg.rms_norm_eps), held_layers, parallel)
 
-    def layer_args(self, input_ids, docs, dtype):
-        positions = token_positions(input_ids, docs)
+    def layer_args(self, positions, docs, dtype):
         inv_freq = default_inv_freq(self.config.head_dim, self.config.rope_theta, positions.device)
         return (*rotary_cos_sin(positions, inv_freq, dtype), docs)

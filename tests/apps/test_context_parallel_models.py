@@ -1,0 +1,56 @@
+"""Each family's tiny model under context parallelism (cp 2 and 4 gloo processes, each holding its zigzag part of
+every sequence) against the whole sequences on one process: the loss summed over the cp ranks, and each
+parameter's gradient summed over them, within float32 tolerance; aux losses on (Qwen3 and GPT-OSS balancing
+each micro-batch, DeepSeek-V2 each sequence, summed over its ranks)."""
+import pytest
+import torch
+import torch.distributed as dist
+
+from conftest import relative_error
+from distributed import run_on_processes
+from pith_apps.config import read_json
+from pith_apps.options import MODELS, PRESETS
+from pith_engine.context_parallel import zigzag_part
+from pith_engine.parallel import Parallel
+
+SEQ = 48   # GPT-OSS's tiny sliding window of 32 spans chunk borders at cp 2 (chunks of 12) and 4 (chunks of 6)
+
+
+def tiny(family, parallel):
+    config_cls, model_cls = MODELS[family]
+    data = read_json(PRESETS / f"{family}_tiny.json") | {"initializer_range": 0.1, "router_aux_loss_coef": 0.1,
+                                                         "aux_loss_alpha": 0.1}   # aux losses that show
+    model = model_cls(config_cls.from_dict(data), parallel)
+    model.init_weights(seed=5)
+    return model
+
+
+def batch(vocab):
+    generator = torch.Generator().manual_seed(8)
+    ids = torch.randint(0, vocab, (2, SEQ + 1), generator=generator)
+    labels = ids[:, 1:].clone()
+    labels[0, :5] = -100
+    return ids[:, :-1], labels
+
+
+def context_parallel_body(rank, world, families):
+    parallel = Parallel.build(cp=world)
+    for family in families:
+        reference, model = tiny(family, Parallel()), tiny(family, parallel)
+        ids, labels = batch(reference.config.vocab_size)
+        tokens = (labels != -100).sum()
+        expected = reference.loss_sum(ids, labels) / tokens
+        expected.backward()
+        loss = model.loss_sum(zigzag_part(ids, world, rank), zigzag_part(labels, world, rank)) / tokens
+        loss.backward()
+        dist.all_reduce(loss := loss.detach())
+        assert relative_error(loss, expected.detach()) < 1e-6, (family, loss, expected)
+        wanted = dict(reference.named_parameters())
+        for name, param in model.named_parameters():
+            dist.all_reduce(param.grad)
+            assert relative_error(param.grad, wanted[name].grad) < 1e-5, (family, world, name)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_each_family_under_context_parallelism_gives_the_whole_sequences_loss_and_gradients(cp):
+    run_on_processes(cp, context_parallel_body, list(MODELS))

@@ -1,0 +1,126 @@
+"""Ring attention over the zigzag layout (pith_engine.context_parallel) on gloo processes against the attention of
+the whole sequence on one: each rank's outputs, log-sum-exps and gradients are those of its positions."""
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from conftest import relative_error
+from distributed import run_on_processes
+from pith_engine.context_parallel import (block_attention, block_seen, merge_blocks, ring_attention, zigzag_block_mask,
+                                          zigzag_part, zigzag_positions)
+from pith_engine.parallel import LayoutError
+
+SEQ, HEADS, KV_HEADS, DIM, LATENT = 32, 4, 2, 8, 6
+
+
+def inputs():
+    generator = torch.Generator().manual_seed(3)
+    q = torch.randn(2, HEADS, SEQ, DIM, generator=generator)
+    latent = torch.randn(2, SEQ, LATENT, generator=generator)   # MLA-like: keys and values made from it
+    up = torch.randn(LATENT, 2 * KV_HEADS * DIM, generator=generator) / LATENT ** 0.5
+    weight = torch.randn(2, HEADS, SEQ, DIM, generator=generator)   # the loss is sum(out * weight) + sum(lse)
+    return q, latent, up, weight
+
+
+def expand(latent, up):
+    """[batch, seq, latent] -> k, v [batch, kv_heads, seq, dim]."""
+    k, v = (latent @ up).unflatten(-1, (2, KV_HEADS, DIM)).permute(2, 0, 3, 1, 4)
+    return k, v
+
+
+def attention_and_grads(q, latent, up, weight, positions, attend):
+    q, latent, up = (t.detach().clone().requires_grad_() for t in (q, latent, up))
+    out, lse = attend(q, latent, up)
+    ((out * weight).sum() + lse[lse > float("-inf")].sum()).backward()
+    return out, lse, q.grad, latent.grad, up.grad
+
+
+def ring_body(rank, world, window):
+    q, latent, up, weight = inputs()
+    positions = torch.arange(SEQ)
+    expected = attention_and_grads(q, latent, up, weight, positions, lambda q, latent, up: block_attention(
+        q, *expand(latent, up), positions, positions, DIM ** -0.5, window))
+    mine = zigzag_positions(SEQ // world, world, rank)
+    local = (q[:, :, mine], latent[:, mine], up, weight[:, :, mine])
+    out, lse, q_grad, latent_grad, up_grad = attention_and_grads(*local, mine, lambda q, latent, up: ring_attention(
+        q, (latent,), lambda latent: expand(latent, up), dist.group.WORLD, DIM ** -0.5, window))
+    dist.all_reduce(up_grad)   # each rank's share of the shared weight's gradient
+    for name, actual, wanted in [("out", out, expected[0][:, :, mine]), ("lse", lse, expected[1][:, :, mine]),
+                                 ("q", q_grad, expected[2][:, :, mine]), ("latent", latent_grad, expected[3][:, mine]),
+                                 ("up", up_grad, expected[4])]:
+        assert relative_error(actual, wanted) < 1e-5, (rank, world, window, name)
+
+
+@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ring_attention_over_the_zigzag_layout_is_the_whole_sequences_attention(cp, window):
+    """cp 2 and 4 (chunks of 8 and 4 tokens), causal and with a sliding window of 6 that spans chunk borders (so
+    some blocks are skipped at cp 4): out, lse and the gradients of the queries, of the latent that travels and
+    of the weight that expands it, within 1e-5 relative error (float32)."""
+    run_on_processes(cp, ring_body, window)
+
+
+def test_block_attention_is_sdpa_on_one_block_and_a_query_seeing_nothing_gets_zero():
+    q, latent, up, _ = inputs()
+    k, v = expand(latent, up)
+    positions = torch.arange(SEQ)
+    out, lse = block_attention(q, k, v, positions, positions, DIM ** -0.5)
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    assert relative_error(out, expected) < 1e-6
+    later = positions + SEQ   # keys all after every query
+    out, lse = block_attention(q, k, v, positions, later, DIM ** -0.5)
+    assert out.abs().max() == 0 and bool((lse == float("-inf")).all())
+
+
+def test_the_zigzag_layout_gives_each_rank_an_early_and_a_late_chunk_and_a_bad_length_is_one_line():
+    assert zigzag_positions(4, 2, 0).tolist() == [0, 1, 6, 7]
+    assert zigzag_positions(4, 2, 1).tolist() == [2, 3, 4, 5]
+    tokens = torch.arange(16).view(2, 8)
+    assert zigzag_part(tokens, 2, 1).tolist() == [[2, 3, 4, 5], [10, 11, 12, 13]]
+    with pytest.raises(LayoutError, match=r"^sequence length 10 must be a multiple of 2 x cp = 4 \(the zigzag split "
+                                          r"of context parallelism\); choose --seq-len 12 or another --cp$"):
+        zigzag_part(torch.zeros(1, 10), 2, 0)
+
+
+@pytest.mark.parametrize("window", [None, 3, 6, 20])
+def test_a_block_is_skipped_exactly_when_no_query_sees_any_of_its_keys(window):
+    """block_seen (from the chunks' bounds) against every pair of positions, cp 4, chunks of 4 tokens."""
+    for rank in range(4):
+        for source in range(4):
+            offset = zigzag_positions(8, 4, rank)[:, None] - zigzag_positions(8, 4, source)[None, :]
+            seen = ((offset >= 0) & (offset < window) if window else offset >= 0).any()
+            assert block_seen(8, 4, rank, source, window) == bool(seen), (rank, source, window)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flex_attention's backward runs on CUDA (the device machine)")
+@pytest.mark.parametrize("window", [None, 200])
+def test_the_cuda_blocks_of_each_rank_merge_into_the_whole_sequences_attention(window):
+    """cp 4 emulated on one GPU: each rank's four blocks through compiled flex_attention with its zigzag block
+    mask, merged by lse, against the materialized attention of the whole sequence (1024 tokens, float32): each
+    rank's out, and the gradients of q, k and v summed over the ranks, within 1e-3 relative (flex and the
+    reference sum in other orders)."""
+    cp, seq = 4, 1024
+    generator = torch.Generator("cuda").manual_seed(2)
+    q, k, v = (torch.randn(1, heads, seq, 64, device="cuda", generator=generator) for heads in (8, 2, 2))
+    positions = torch.arange(seq, device="cuda")
+    reference = [t.clone().requires_grad_() for t in (q, k, v)]
+    expected, _ = block_attention(*reference, positions, positions, 0.125, window)
+    expected.square().sum().backward()
+    local, parts = seq // cp, [t.clone().requires_grad_() for t in (q, k, v)]
+    for rank in range(cp):   # each rank's q and k, v of all: the gradients add up to the whole sequence's
+        mine = zigzag_positions(local, cp, rank, "cuda")
+        outs, lses = [], []
+        for source in range(cp):
+            if block_seen(local, cp, rank, source, window):
+                theirs = zigzag_positions(local, cp, source, "cuda")
+                mask = zigzag_block_mask(local, cp, rank, source, window, "cuda")
+                out, lse = block_attention(parts[0][:, :, mine], parts[1][:, :, theirs], parts[2][:, :, theirs], mine,
+                                           theirs, 0.125, window, mask)
+                outs.append(out)
+                lses.append(lse)
+        out, _ = merge_blocks(outs, lses)
+        assert relative_error(out, expected[:, :, mine]) < 1e-3, (rank, window)
+        out.square().sum().backward()
+    for name, part, whole in zip("qkv", parts, reference):
+        assert relative_error(part.grad, whole.grad) < 1e-3, (name, window)
