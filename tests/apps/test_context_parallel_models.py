@@ -1,7 +1,8 @@
 """Each family's tiny model under context parallelism (cp 2 and 4 gloo processes, each holding its zigzag part of
 every sequence) against the whole sequences on one process: the loss summed over the cp ranks, and each
 parameter's gradient summed over them, within float32 tolerance; aux losses on (Qwen3 and GPT-OSS balancing
-each micro-batch, DeepSeek-V2 each sequence, summed over its ranks)."""
+all data ranks' micro-batch and GPT-OSS its data rank's, DeepSeek-V2 each sequence: under cp a unit's counts
+summed over its ranks)."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -20,7 +21,8 @@ def tiny(family, parallel):
     config_cls, model_cls = MODELS[family]
     data = read_json(PRESETS / f"{family}_tiny.json") | {"initializer_range": 0.1, "router_aux_loss_coef": 0.1,
                                                          "aux_loss_alpha": 0.1}   # aux losses that show
-    model = model_cls(config_cls.from_dict(data), parallel)
+    balance = "micro_batch" if family == "gpt_oss" else None
+    model = model_cls(config_cls.from_dict(data), parallel, **({"balance": balance} if balance else {}))
     model.init_weights(seed=5)
     return model
 

@@ -109,7 +109,8 @@ class LoadBalance(nn.Module):
       on one process, the micro-batch), each rank's own micro-batch ("micro_batch") or each sequence
       ("sequence"), averaged over all units of an optimizer step (micro_batches micro-batches of every data
       rank); scale is num_experts (switch loss) or num_experts / top_k (DeepSeek). Under context parallelism
-      (context_group, the cp ranks sharing each sequence) a sequence's counts are summed over its ranks. Each rank attaches its
+      (context_group, the cp ranks sharing each sequence) a unit's counts are summed over its cp ranks, so
+      a data rank's micro-batch and a sequence are the same units as on one process. Each rank attaches its
       share, so the gradients summed over data ranks and micro-batches are those of the step's loss.
     - "aux_free": no loss; a per-expert bias added to the scores steers which experts are chosen (not their
       weights) and moves by bias_rate toward the mean load after every optimizer step (DeepSeek-V3)."""
@@ -168,7 +169,7 @@ class LoadBalance(nn.Module):
             1, ids, torch.ones(ids.shape, device=probs.device))
         tokens = probs.shape[0] // units
         prob_sums = probs.reshape(units, tokens, -1).sum(1)
-        if self.mode == "sequence" and self.context_group is not None:   # each sequence's tokens on all its cp ranks
+        if self.context_group is not None and self.mode != "global_batch":   # a unit's tokens are on all its cp ranks
             counts = funcol.all_reduce(counts, "sum", self.context_group)
             tokens *= self.context_ranks
             return (counts / tokens * prob_sums / tokens).sum() / (units * self.data_ranks // self.context_ranks
