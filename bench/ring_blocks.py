@@ -2,8 +2,8 @@
 
 A single process cannot ring, so this times what each cp rank computes: its queries (the zigzag part, seq / cp
 tokens) against each of the cp blocks of keys and values (compiled flex_attention with the rank's zigzag block
-mask, pith_engine.context_parallel.block_attention), the merge by log-sum-exp, and the backward of all of it;
-and, each in its own process, one causal attention over the whole sequence, through SDPA (torch's backend
+mask, pith_engine.context_parallel.block_attention), their merge by log-sum-exp (merge_blocks, compiled on CUDA)
+and the backward of all of it; and, each in its own process, one causal attention over the whole sequence, through SDPA (torch's backend
 choice) and through compiled flex_attention. Forward and backward of one layer's attention, bf16, Qwen3-30B-A3B's
 heads (32 query, 4 key-value, 128 dims). The sends between ranks are not timed (they overlap the blocks).
 
