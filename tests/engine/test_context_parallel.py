@@ -44,7 +44,7 @@ def ring_body(rank, world, window):
     mine = zigzag_positions(SEQ // world, world, rank)
     local = (q[:, :, mine], latent[:, mine], up, weight[:, :, mine])
     out, lse, q_grad, latent_grad, up_grad = attention_and_grads(*local, mine, lambda q, latent, up: ring_attention(
-        q, (latent,), lambda latent: expand(latent, up), dist.group.WORLD, DIM ** -0.5, window))
+        q, (latent,), dist.group.WORLD, DIM ** -0.5, window, expand=lambda latent: expand(latent, up)))
     dist.all_reduce(up_grad)   # each rank's share of the shared weight's gradient
     for name, actual, wanted in [("out", out, expected[0][:, :, mine]), ("lse", lse, expected[1][:, :, mine]),
                                  ("q", q_grad, expected[2][:, :, mine]), ("latent", latent_grad, expected[3][:, mine]),

@@ -150,12 +150,10 @@ def micro_batches_of(args, parallel: Parallel, input_ids, labels):
     every layout (size x data ranks rows from row j x that), of which data rank r reads the r-th share; of those
     rows a context-parallel rank takes its zigzag part of the columns."""
     size, cp = micro_batch_size(args, parallel), parallel.cp
+    part = (lambda rows: rows) if cp == 1 else functools.partial(zigzag_part, cp=cp, rank=parallel.coords["cp"])
     for first in range(0, args.batch_size, size * parallel.data_ranks):
         rows = slice(first + parallel.data_rank * size, first + (parallel.data_rank + 1) * size)
-        if cp == 1:
-            yield input_ids[rows], labels[rows]
-        else:
-            yield zigzag_part(input_ids[rows], cp, parallel.coords["cp"]), zigzag_part(labels[rows], cp, parallel.coords["cp"])
+        yield part(input_ids[rows]), part(labels[rows])
 
 
 def train_on(args, cfg, parallel: Parallel, device: torch.device, data, folder, run_id: str,

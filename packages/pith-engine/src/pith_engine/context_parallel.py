@@ -103,11 +103,11 @@ def _merge(outs, lses):
     return out.to(outs[0].dtype), lse
 
 
-def ring_attention(q, payload: tuple, expand, group, scale: float, window: int | None = None):
+def ring_attention(q, payload: tuple, group, scale: float, window: int | None = None, expand=None):
     """(out, lse) of this cp rank's queries q [batch, heads, seq, dim] (zigzag layout) against the whole
-    sequence's keys and values. payload: this rank's tensors from which expand(*payload) makes (k, v) for its
-    seq positions; they are what travels around the ring. Blocks no query can see (outside every window) are
-    passed on without being computed."""
+    sequence's keys and values. payload: this rank's (k, v), or the tensors from which expand(*payload) makes
+    them; what travels around the ring. Blocks no query can see (outside every window) are passed on without
+    being computed."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     seq = q.shape[2]
     q_positions = zigzag_positions(seq, cp, rank, q.device)
@@ -115,10 +115,11 @@ def ring_attention(q, payload: tuple, expand, group, scale: float, window: int |
     for step in range(cp):
         passing = _launch_pass(payload, group) if step < cp - 1 else None
         source = (rank - step) % cp
-        k_positions = zigzag_positions(seq, cp, source, q.device)
         if block_seen(seq, cp, rank, source, window):
+            k, v = expand(*payload) if expand else payload
             mask = zigzag_block_mask(seq, cp, rank, source, window, str(q.device)) if q.is_cuda else None
-            out, lse = block_attention(q, *expand(*payload), q_positions, k_positions, scale, window, mask)
+            out, lse = block_attention(q, k, v, q_positions, zigzag_positions(seq, cp, source, q.device), scale,
+                                       window, mask)
             outs.append(out)
             lses.append(lse)
         if passing is not None:

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pith_apps.config import config_from_dict, require
-from pith_apps.models.layers import (CausalLM, ContextParallelAttention, MoeDecoderLayer, RMSNorm, causal_attention,
+from pith_apps.models.layers import (CausalLM, MoeDecoderLayer, RMSNorm, causal_attention,
                                      SwiGLUExperts, apply_rotary, default_inv_freq, rope_parameters, rotary_cos_sin,
                                      yarn_inv_freq, yarn_mscale)
 from pith_engine.context_parallel import ring_attention
@@ -144,9 +144,10 @@ class DeepseekV2MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class DeepseekV2Attention(ContextParallelAttention):
+class DeepseekV2Attention(nn.Module):
     def __init__(self, cfg: DeepseekV2Config, parallel: Parallel):
-        super().__init__(parallel)
+        super().__init__()
+        self.ring = parallel.group("cp")   # context parallelism's group, None without
         self.heads, self.kv_lora_rank = cfg.num_attention_heads, cfg.kv_lora_rank
         self.nope_dim, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         q_out, self.q_lora = self.heads * (self.nope_dim + self.rope_dim), bool(cfg.q_lora_rank)
@@ -171,7 +172,7 @@ class DeepseekV2Attention(ContextParallelAttention):
         latent, k_rope = self.kv_a_layernorm(latent), apply_rotary_pairs(k_rope.unsqueeze(1), cos, sin)
         query = torch.cat([q_nope, apply_rotary_pairs(q_rope, cos, sin)], -1)
         if self.ring is not None:   # the latent and the shared rope key travel, not each head's key and value
-            out = ring_attention(query, (latent, k_rope), self.keys_and_values, self.ring, self.scale)[0]
+            out = ring_attention(query, (latent, k_rope), self.ring, self.scale, expand=self.keys_and_values)[0]
         else:
             out = causal_attention(query, *self.keys_and_values(latent, k_rope), self.scale, docs=docs)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))

@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
 
 from pith_apps.config import config_from_dict, require
-from pith_apps.models.layers import (CausalLM, ContextParallelAttention, MoeDecoderLayer, LocalExperts, RMSNorm,
+from pith_apps.models.layers import (CausalLM, MoeDecoderLayer, LocalExperts, RMSNorm,
                                      apply_rotary, rope_parameters, rotary_cos_sin, visible, yarn_inv_freq, yarn_mscale)
 from pith_engine.context_parallel import ring_attention
 from pith_engine.moe import LoadBalance, Routing
@@ -120,7 +120,7 @@ def attention_with_sinks(q, k, v, sinks, window: int | None, scale: float, docs=
     log-sum-exp; elsewhere (flex_attention has no CPU backward) the materialized reference. ring: the
     context-parallel group (pith_engine.context_parallel.ring_attention, then the same rescale by its lse)."""
     if ring is not None:
-        out, lse = ring_attention(q, (k, v), lambda k, v: (k, v), ring, scale, window)
+        out, lse = ring_attention(q, (k, v), ring, scale, window)
         return sink_rescale(out, lse, sinks)
     if q.is_cuda and docs is None:
         return flex_attention_with_sinks(q, k, v, sinks, window, scale)
@@ -170,9 +170,10 @@ def sink_rescale(out, lse, sinks):
     return out * torch.sigmoid(lse - sinks.float()[None, :, None]).unsqueeze(-1).to(out.dtype)
 
 
-class GptOssAttention(ContextParallelAttention):
+class GptOssAttention(nn.Module):
     def __init__(self, cfg: GptOssConfig, layer_type: str, parallel: Parallel):
-        super().__init__(parallel)
+        super().__init__()
+        self.ring = parallel.group("cp")   # context parallelism's group, None without
         self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.window = cfg.sliding_window if layer_type == "sliding_attention" else None
         self.q_proj = nn.Linear(cfg.hidden_size, self.heads * self.head_dim)

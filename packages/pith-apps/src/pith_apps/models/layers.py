@@ -122,26 +122,11 @@ def causal_attention(q, k, v, scale: float, enable_gqa: bool = False, docs: torc
     ring: the context-parallel group; q, k and v are then this rank's zigzag part of the sequence, and the keys
     and values of the others' parts come around the ring (pith_engine.context_parallel)."""
     if ring is not None:
-        return ring_attention(q, (k, v), lambda k, v: (k, v), ring, scale)[0]
+        return ring_attention(q, (k, v), ring, scale)[0]
     if docs is not None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=visible(q.shape[2], q.device, docs), scale=scale,
                                               enable_gqa=enable_gqa)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa)
-
-
-class ContextParallelAttention(nn.Module):
-    """What the families' attention modules share: `ring`, the context-parallel group their attention passes key
-    and value blocks around (None without context parallelism), looked up when used, so that a layer can be built
-    and loaded without a process group. (A plain property: a cached one takes a lock, which torch.compile of
-    the attention stage cannot trace.)"""
-
-    def __init__(self, parallel: Parallel):
-        super().__init__()
-        self.parallel = parallel
-
-    @property
-    def ring(self):
-        return self.parallel.group("cp") if self.parallel.cp > 1 else None
 
 
 class MoeDecoderLayer(nn.Module):

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from pith_apps.config import config_from_dict, require
-from pith_apps.models.layers import (CausalLM, ContextParallelAttention, MoeDecoderLayer, RMSNorm, causal_attention,
+from pith_apps.models.layers import (CausalLM, MoeDecoderLayer, RMSNorm, causal_attention,
                                      SwiGLUExperts, apply_rotary, default_inv_freq, rope_parameters, rotary_cos_sin)
 from pith_engine.moe import LoadBalance, Routing
 from pith_engine.parallel import Parallel
@@ -65,9 +65,10 @@ class Qwen3MoeConfig:
         return cfg
 
 
-class Qwen3MoeAttention(ContextParallelAttention):
+class Qwen3MoeAttention(nn.Module):
     def __init__(self, cfg: Qwen3MoeConfig, parallel: Parallel):
-        super().__init__(parallel)
+        super().__init__()
+        self.ring = parallel.group("cp")   # context parallelism's group, None without
         self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.q_proj = nn.Linear(cfg.hidden_size, self.heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
