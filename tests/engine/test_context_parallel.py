@@ -61,6 +61,47 @@ def test_ring_attention_over_the_zigzag_layout_is_the_whole_sequences_attention(
     run_on_processes(cp, ring_body, window)
 
 
+class _Mark(torch.autograd.Function):
+    """Identity on tensors that logs `name` when its forward runs and again when its backward runs."""
+
+    @staticmethod
+    def forward(ctx, events, name, *tensors):
+        ctx.events, ctx.name = events, name
+        events.append(name)
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.events.append(ctx.name)
+        return None, None, *grads
+
+
+def trace_body(rank, world):
+    """The order of ring passes (launch, wait) and blocks ("in": its inputs, "out": its outputs) in the forward
+    and the backward of one rank."""
+    from pith_engine import context_parallel
+    events, exchange, wait, block = [], context_parallel._exchange, context_parallel._wait, context_parallel.block_attention
+    context_parallel._exchange = lambda *args: events.append("launch") or exchange(*args)
+    context_parallel._wait = lambda *args: events.append("wait") or wait(*args)
+    context_parallel.block_attention = lambda q, k, v, *rest: _Mark.apply(
+        events, "out", *block(*_Mark.apply(events, "in", q, k, v), *rest))
+    q, latent, up, weight = inputs()
+    mine = zigzag_positions(SEQ // world, world, rank)
+    q, latent = q[:, :, mine].requires_grad_(), latent[:, mine].requires_grad_()
+    out, lse = ring_attention(q, (latent,), dist.group.WORLD, DIM ** -0.5, expand=lambda latent: expand(latent, up))
+    forward = list(events)
+    (out * weight[:, :, mine]).sum().backward()
+    assert forward == ["launch", "in", "out", "wait"] * (world - 1) + ["in", "out"], forward
+    assert events[len(forward):] == ["out", "in"] + ["launch", "out", "in", "wait"] * (world - 1), events
+
+
+def test_each_ring_exchange_is_in_flight_while_a_block_is_computed_forward_and_backward():
+    """cp 4: each pass of the forward is launched before the block computed meanwhile and waited for after it;
+    each exchange of the backward (the gradients going back) is launched before the backward of the block before
+    it and waited for after that block's backward has run."""
+    run_on_processes(4, trace_body)
+
+
 def test_block_attention_is_sdpa_on_one_block_and_a_query_seeing_nothing_gets_zero():
     q, latent, up, _ = inputs()
     k, v = expand(latent, up)

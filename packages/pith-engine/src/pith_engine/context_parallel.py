@@ -9,7 +9,8 @@ block first, then cp - 1 times the block its ring predecessor held, passed on ar
 next block is in flight while the current one is computed. Each block returns its output and its log-sum-exp
 (lse); the blocks are merged by lse, so the result is the full-sequence attention's. What travels is whatever
 the caller's `expand` turns into keys and values (GQA's key-value heads, or MLA's compressed latent), and in the
-backward each block's gradient goes back to the rank it came from the way it came.
+backward each block's gradient goes back to the rank it came from the way it came, each exchange in flight while
+the backward of the block before it is computed.
 """
 import functools
 
@@ -114,6 +115,9 @@ def ring_attention(q, payload: tuple, group, scale: float, window: int | None = 
     outs, lses = [], []
     for step in range(cp):
         passing = _launch_pass(payload, group) if step < cp - 1 else None
+        if passing is not None:
+            returned = {}   # the backward's exchange of this pass, from _Received's backward to _Sent's
+            token = _Sent.apply(returned, *payload)
         source = (rank - step) % cp
         if block_seen(seq, cp, rank, source, window):
             k, v = expand(*payload) if expand else payload
@@ -123,7 +127,7 @@ def ring_attention(q, payload: tuple, group, scale: float, window: int | None = 
             outs.append(out)
             lses.append(lse)
         if passing is not None:
-            payload = _Received.apply(group, len(payload), *payload, *_wait(*passing))
+            payload = _Received.apply(returned, group, token, *_wait(*passing))
     out, lse = merge_blocks(outs, lses)
     return _Tie.apply(out, *payload), lse
 
@@ -153,22 +157,37 @@ def _wait(works, buffers):
     return buffers
 
 
-class _Received(torch.autograd.Function):
-    """The tensors a ring pass brought from the predecessor, joined to the graph of those this rank sent: the
-    backward returns the received tensors' gradients to the predecessor and takes those of the sent ones from
-    the successor, which received them."""
+class _Sent(torch.autograd.Function):
+    """The tensors a ring pass sends, as a token for _Received: made before the block computed with them, so that
+    in the backward, which runs nodes latest-made first, this waits for their gradients (sent back by the
+    successor, which received them) only after that block's backward has run, while the exchange was in flight."""
 
     @staticmethod
-    def forward(ctx, group, count, *sent_then_received):
-        ctx.group = group
-        return tuple(t.view_as(t) for t in sent_then_received[count:])
+    def forward(ctx, returned, *sent):
+        ctx.returned = returned
+        return sent[0].new_empty(0)
+
+    @staticmethod
+    def backward(ctx, _):
+        return None, *_wait(*ctx.returned.pop("pass"))
+
+
+class _Received(torch.autograd.Function):
+    """The tensors a ring pass brought from the predecessor, joined to the graph through the token of those this
+    rank sent (_Sent): the backward launches the exchange that returns the received tensors' gradients to the
+    predecessor and takes those of the sent ones from the successor; _Sent's backward waits for it."""
+
+    @staticmethod
+    def forward(ctx, returned, group, token, *received):
+        ctx.returned, ctx.group = returned, group
+        return tuple(t.view_as(t) for t in received)
 
     @staticmethod
     def backward(ctx, *grads):
         before, after = _neighbours(ctx.group)
         sent_grads = [torch.empty_like(g, memory_format=torch.contiguous_format) for g in grads]
-        _wait(_exchange(list(grads), before, sent_grads, after, ctx.group), None)
-        return (None, None, *sent_grads, *(None for _ in grads))
+        ctx.returned["pass"] = (_exchange(list(grads), before, sent_grads, after, ctx.group), sent_grads)
+        return None, None, grads[0].new_empty(0), *(None for _ in grads)
 
 
 class _Tie(torch.autograd.Function):
