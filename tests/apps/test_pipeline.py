@@ -12,8 +12,9 @@ import torch.distributed as dist
 from conftest import relative_error
 from distributed import run_on_processes
 from pith_apps.config import read_json
+from pith_apps.models.layers import Linear
 from pith_apps.options import MODELS, PRESETS
-from pith_engine.data_parallel import ComputeCasts
+from pith_engine.data_parallel import ComputeCasts, local_part, shard_model
 from pith_engine.dualpipev import Pipeline, chunk_layers, held_layers, numbered, schedule
 from pith_engine.parallel import LayoutError, Parallel
 
@@ -81,15 +82,17 @@ def check_against_sequential(family, parallel, count, mixed=False, variants=VARI
     traces = []
     for variant, model in zip(variants, models):
         pipeline = Pipeline(model, parallel, dtype, chunks, **variant)
-        ran = []   # closures each W step runs: the deferring backward's 2 expert GEMMs per MoE layer of its chunk
-        if pipeline.deferred is not None:
+        ran = []   # closures each W step runs: per layer of the deferring backward's chunk, its dense linears' and
+        if pipeline.deferred is not None:   # its experts' 2 grouped GEMMs
             run_oldest = pipeline.deferred.run_oldest
             pipeline.deferred.run_oldest = lambda: ran.append(len(pipeline.deferred.entries[0])) or run_oldest()
         loss, trace = traced_step(pipeline, batches, tokens)
         traces.append(trace)
         steps = [step for steps in schedule(parallel.pp, count, rank) for step in steps]
         defer = pipeline.deferred is not None
-        assert len(ran) == defer * sum(step.kind == "W" for step in steps) and all(n >= 2 for n in ran), ran
+        deferring = [step.phase for step in steps if step.kind == "B" and step.defer]
+        assert len(ran) == defer * len(deferring) and sum(ran) == defer * sum(
+            deferred_closures(model, pipeline.layers[phase]) for phase in deferring), ran
         assert not defer or not pipeline.deferred.entries and pipeline.deferred.open is None
         held = dict(model.named_parameters())
         assert set(held) == held_names(grads, parallel.pp, rank), (family, rank)
@@ -103,6 +106,13 @@ def check_against_sequential(family, parallel, count, mixed=False, variants=VARI
         assert all(torch.equal(other, grad) for grad, other in zip(plain, grads_in_turns)), (family, rank)
         assert trace == expected_turns(traces[0], schedule(parallel.pp, count, rank)), (family, rank)
         assert parallel.ep == 1 or any(kind == "B" for kind, _, _ in trace), trace
+
+
+def deferred_closures(model, layers):
+    """What a deferring backward of these layers queues: a closure per dense linear (all but the router) and two
+    per expert stack (its gate_up and down grouped GEMMs)."""
+    return sum(isinstance(module, Linear) + 2 * (model.layers[n].is_moe and module is model.layers[n].experts)
+               for n in layers for module in model.layers[n].modules())
 
 
 def traced_step(pipeline, batches, tokens):
@@ -173,6 +183,40 @@ def test_two_pipeline_ranks_of_two_expert_parallel_ranks_give_the_sequential_run
 def test_four_pipeline_ranks_give_the_sequential_runs_loss_and_gradients():
     """pp = 4 over gloo, the minimum 8 micro-batches (plain and deferred; turns need the all-to-alls of ep > 1)."""
     run_on_processes(4, pipeline_body, ["qwen3", "deepseek_v2"], 8, 1, False, VARIANTS[:2])
+
+
+def fsdp_body(rank, world, families, mixed):
+    """pp 2 x dp 2, each stage's weights sharded by FSDP, deferral off and on: the sharded gradients agree, and with
+    deferral every FSDP module reduce-scatters once, after the step's last W step (not after each backward)."""
+    parallel = Parallel.build(pp=2, dp=2)
+    chunks, dtype = chunk_layers(8, 2), torch.bfloat16 if mixed else torch.float32
+    reduce_scatter = dist.reduce_scatter_single
+    for family in families:
+        grads, reductions = [], []
+        for defer in (False, True):
+            model = tiny(family, parallel, 4, held_layers(chunks, parallel.coords["pp"]))
+            shard_model(model, parallel, torch.bfloat16 if mixed else None)
+            batches = micro_batches(model.config.vocab_size, 4, parallel.data_rank)
+            tokens = sum((labels != -100).sum() for _, labels, _ in batches)
+            calls = []
+            dist.reduce_scatter_single = lambda *args, **kwargs: calls.append(1) or reduce_scatter(*args, **kwargs)
+            try:
+                Pipeline(model, parallel, dtype, chunks, defer_wgrad=defer).step(batches, tokens)
+            finally:
+                dist.reduce_scatter_single = reduce_scatter
+            grads.append([local_part(param.grad) for param in model.parameters()])
+            reductions.append(len(calls))
+        fsdp_modules = sum(1 for module in model.modules() if type(module).__name__.startswith("FSDP"))
+        assert reductions[1] == fsdp_modules < reductions[0], (family, reductions, fsdp_modules)
+        for plain, deferred in zip(*grads):
+            assert relative_error(deferred, plain) < (1e-5 if mixed else 1e-6), (family, mixed)
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_deferred_weight_gradients_under_fsdp_are_reduced_once_after_the_last_w_step(mixed):
+    """fp32 with each family (GPT-OSS: dense linears with biases), and mixed precision (bf16 compute, fp32
+    reduction) for Qwen3, whose W steps' bf16 gradients are folded into FSDP's fp32 sums."""
+    run_on_processes(4, fsdp_body, list(MODELS) if not mixed else ["qwen3"], mixed)
 
 
 def test_the_layers_split_into_chunks_evenly_or_as_asked_and_a_bad_split_is_one_line():

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from conftest import KERNEL_DEVICE, relative_error
-from pith_ops.grouped_gemm import grouped_bias_add, grouped_linear, grouped_linear_reference
+from pith_ops.grouped_gemm import deferred_linear, grouped_bias_add, grouped_linear, grouped_linear_reference
 from pith_ops.token_permute import _counting_sort, combine_tokens, dedup_by_rank, dispatch_tokens, sort_by_expert
 
 
@@ -131,6 +131,31 @@ def test_deferred_weight_gradient_waits_in_the_queue_then_accumulates(use_triton
     w_ref = weight.detach().clone().requires_grad_()
     grouped_linear_reference(x.detach(), w_ref, tokens_per_expert).square().sum().backward()
     assert relative_error(weight.grad, w_ref.grad) < 1e-6
+
+
+@pytest.mark.parametrize("copy", [False, True])
+def test_a_deferred_dense_linear_leaves_its_weight_and_bias_gradients_to_the_queue(copy):
+    """F.linear's gradients, the weight's and the bias's only once the queued closure runs (twice: they add up);
+    copy: the layer computes with bf16 copies naming their fp32 parameters (grad_into), as under ComputeCasts."""
+    torch.manual_seed(3)
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    weight, bias = torch.nn.Parameter(torch.randn(8, 16)), torch.nn.Parameter(torch.randn(8))
+    used = [weight, bias]
+    if copy:
+        used = [p.detach().bfloat16().requires_grad_() for p in (weight, bias)]
+        for p, master in zip(used, (weight, bias)):
+            p.grad_into = master
+    queue = []
+    for _ in range(2):
+        deferred_linear(x.to(used[0].dtype), *used, queue).float().square().sum().backward()
+    assert weight.grad is None and bias.grad is None and len(queue) == 2 and x.grad is not None
+    for closure in queue:
+        closure()
+    reference = [t.detach().to(used[0].dtype).requires_grad_() for t in (x, *used)]
+    torch.nn.functional.linear(*reference).float().square().sum().backward()
+    for got, wanted in [(x.grad / 2, reference[0].grad), (weight.grad / 2, reference[1].grad),
+                        (bias.grad / 2, reference[2].grad)]:
+        assert got.dtype == torch.float32 and relative_error(got, wanted.float()) < 1e-6   # the same products
 
 
 def test_grouped_linear_bfloat16_triton_matches_fp32_reference():

@@ -66,6 +66,12 @@ def moe_layers(model: MoeModel) -> list[MoeLayer]:
     return [layer for layer in model.layers.values() if layer.is_moe]
 
 
+def wgrad_queue_holders(model: MoeModel) -> list[nn.Module]:
+    """The modules of the decoder layers that take a `wgrad_queue` to defer their weight gradients to (each
+    ExpertStack, and dense linears that can: pith_apps' Linear)."""
+    return [module for layer in model.layers.values() for module in layer.modules() if hasattr(module, "wgrad_queue")]
+
+
 def expert_stacks(model: MoeModel) -> dict[str, ExpertStack]:
     """Each MoE layer's experts module by its module name in the model (its parameters' name prefix)."""
     stacks = {id(layer.experts) for layer in moe_layers(model)}

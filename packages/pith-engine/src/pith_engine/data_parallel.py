@@ -40,7 +40,7 @@ def shard_model(model: MoeModel, parallel: Parallel, param_dtype: torch.dtype | 
         if param_dtype not in (None, torch.float32):
             ComputeCasts(param_dtype).register(model)
         return model
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard  # DTensor: ~0.7 s to import
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # DTensor: ~0.7 s to import
     from torch.distributed.tensor import Shard
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     expert_mesh, dense_mesh = parallel.mesh_over("dp", "cp"), parallel.mesh_over("dp", "cp", "ep")
@@ -52,10 +52,9 @@ def shard_model(model: MoeModel, parallel: Parallel, param_dtype: torch.dtype | 
     owners = [module for module in model.modules() if any(id(p) not in in_layers for p in module.parameters(False))]
     for root in owners if parallel.pp > 1 else [model]:
         fully_shard(root, mesh=dense_mesh, mp_policy=policy)
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_gradient_divide_factor(1.0)
-            module.set_force_sum_reduction_for_comms(True)   # plain SUM: gloo has no pre-multiplied sum
+    for module in fsdp_modules(model):
+        module.set_gradient_divide_factor(1.0)
+        module.set_force_sum_reduction_for_comms(True)   # plain SUM: gloo has no pre-multiplied sum
     return model
 
 
@@ -130,16 +129,54 @@ def drop_compute_copies(model: torch.nn.Module):
         casts.copies.clear()
 
 
+def fsdp_modules(model: torch.nn.Module) -> list:
+    if not dist.is_initialized():
+        return []
+    from torch.distributed.fsdp import FSDPModule
+    return [module for module in model.modules() if isinstance(module, FSDPModule)]
+
+
+def hold_gradients(model: torch.nn.Module):
+    """Until reduce_held_gradients, FSDP reduces nothing after a backward: each parameter's gradient stays unsharded,
+    summed over the backwards in the reduce dtype (fp32). For weight gradients that come after their layer's
+    backward has ended (a pipeline's W steps): its reduce-scatter would miss them."""
+    for module in fsdp_modules(model):
+        module.set_requires_gradient_sync(False, recurse=False)
+
+
+def fold_held_gradients(model: torch.nn.Module):
+    """Add the gradients written since the last backward (a W step's, in the compute dtype) into the fp32 sums FSDP
+    holds, as its post-backward does: a later backward would otherwise add into them in bf16."""
+    for group in _fsdp_param_groups(model):
+        for fsdp_param in group.fsdp_params:
+            fsdp_param.accumulate_unsharded_grad_if_needed()
+            fsdp_param.to_accumulated_grad_if_needed()
+
+
+def reduce_held_gradients(model: torch.nn.Module):
+    """Reduce-scatter every gradient held since hold_gradients into the sharded .grad, through FSDP's own
+    post-backward (which has no public call; torch.distributed.pipelining runs it the same way for its zero-bubble
+    schedules), and turn the reduction after each backward back on."""
+    for module in fsdp_modules(model):
+        module.set_requires_gradient_sync(True, recurse=False)
+    groups = _fsdp_param_groups(model)
+    for group in reversed(groups):
+        group.post_backward()
+    for group in groups:
+        group.finalize_backward()   # the reduce-scatters waited for
+
+
+def _fsdp_param_groups(model):
+    return [group for module in fsdp_modules(model) for group in module._get_fsdp_state()._fsdp_param_groups]
+
+
 def release_forward_weights(model: torch.nn.Module):
     """After forwards with no backward to follow (evaluation): drop a one-process model's bf16 copies, and put
     the weights FSDP's root gathered back into shards (the root keeps them after its forward for the backward
     that usually follows; until resharded, the model's parameters are not the optimizer's, which a save reads)."""
     drop_compute_copies(model)
-    if dist.is_initialized():
-        from torch.distributed.fsdp import FSDPModule
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
-                module.reshard()
+    for module in fsdp_modules(model):
+        module.reshard()
 
 
 def forget_copies_of(casts_ref):

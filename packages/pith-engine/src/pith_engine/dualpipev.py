@@ -12,11 +12,11 @@ backward, so that each one's communication hides behind the other's computation.
 `Pipeline` runs the schedule: a rank's two chunks (its layers from `chunk_layers`; a model built with only
 `held_layers`, read through the engine's model contract) forward and backward, activations and their
 gradients sent to the neighbouring ranks; each chunk one call of the model, which ComputeCasts or FSDP wrap.
-With `defer_wgrad`, a deferring backward leaves its expert weight gradients to the W step that follows it in
-the schedule (`DeferredWeightGrads`). With `overlap`, a pair's forward runs in a thread of its own and the two
-take turns (`Turns`) at each all-to-all of pith_engine.moe: one launches it and the other computes while it is in
-flight. Not yet: deferral of the dense layers' weight gradients and under FSDP (whose reduce-scatter follows
-each backward).
+With `defer_wgrad`, a deferring backward leaves its weight gradients (the expert stacks' and the eager dense
+linears') to the W step that follows it in the schedule (`DeferredWeightGrads`); under FSDP the gradients are
+then held unsharded through the step and reduce-scattered once at its end, after the last W step. With
+`overlap`, a pair's forward runs in a thread of its own and the two take turns (`Turns`) at each all-to-all of
+pith_engine.moe: one launches it and the other computes while it is in flight.
 
 Run `python -m pith_engine.dualpipev --pp 4 --micro-batches 10` to print each rank's timeline and bubble.
 """
@@ -30,7 +30,8 @@ import torch
 import torch.distributed as dist
 
 from pith_engine import moe
-from pith_engine.contract import MoeModel, moe_layers
+from pith_engine.contract import MoeModel, wgrad_queue_holders
+from pith_engine.data_parallel import fold_held_gradients, fsdp_modules, hold_gradients, reduce_held_gradients
 from pith_engine.parallel import LayoutError, Parallel
 
 
@@ -176,8 +177,8 @@ def sends(pp: int, micro_batches: int, rank: int) -> list[tuple[int, tuple]]:
 
 
 class DeferredWeightGrads:
-    """The wgrad_queue of every expert stack of a pipeline rank: a deferring backward's weight-gradient closures
-    (grouped_linear's) gathered as one entry, which `run_oldest` (a W step) runs; outside such a backward a
+    """The wgrad_queue of a pipeline rank's modules that take one (wgrad_queue_holders): a deferring backward's
+    weight-gradient closures (grouped_linear's, deferred_linear's) gathered as one entry, which `run_oldest` (a W step) runs; outside such a backward a
     closure runs at once."""
 
     def __init__(self):
@@ -244,13 +245,13 @@ class Pipeline:
     every micro-batch's input ids (for its layers' arguments); the labels matter at rank 0, which holds the
     loss. Each chunk runs as one call of the model (its forward with hidden and layers), which mixed precision
     and FSDP hook. Receives from a neighbour are posted in the order that neighbour sends (`sends`), because
-    point-to-point messages between two ranks match in order, not by name. A W step runs the expert weight
+    point-to-point messages between two ranks match in order, not by name. A W step runs the weight
     gradients of the oldest deferring backward (defer_wgrad), or nothing."""
 
     def __init__(self, model: MoeModel, parallel: Parallel, dtype: torch.dtype, chunks: list[range],
                  defer_wgrad: bool = False, overlap: bool = False):
         """chunks: the layers of each of the 2pp chunks (chunk_layers); the model holds at least this rank's.
-        defer_wgrad: deferring backwards leave the expert weight gradients to W steps (not under FSDP).
+        defer_wgrad: deferring backwards leave the weight gradients to W steps; under FSDP, reduced at the step's end.
         overlap: each pair's forward and backward take turns at their all-to-alls (expert parallelism)."""
         self.model, self.pp, self.rank, self.dtype = model, parallel.pp, parallel.coords["pp"], dtype
         self.group = parallel.group("pp")
@@ -261,8 +262,9 @@ class Pipeline:
                               f"but the model lacks their layers {missing}: build it with held_layers(chunks, rank)")
         self.layers = [list(chunks[chunk]) for chunk in self.chunks]
         self.deferred, self.overlap = DeferredWeightGrads() if defer_wgrad else None, overlap
-        for layer in moe_layers(model) if defer_wgrad else ():
-            layer.experts.wgrad_queue = self.deferred
+        for module in wgrad_queue_holders(model) if defer_wgrad else ():
+            module.wgrad_queue = self.deferred
+        self.hold = defer_wgrad and bool(fsdp_modules(model))
         self.peers = {r: dist.get_global_rank(self.group, r) for r in (self.rank - 1, self.rank + 1)
                       if 0 <= r < self.pp} if self.group is not None else {}
 
@@ -274,6 +276,8 @@ class Pipeline:
         self.kept, self.turn, self.sent = {}, {}, []
         self.incoming = {peer: [key for to, key in sends(self.pp, n, peer) if to == self.rank] for peer in self.peers}
         self.posted = {peer: {} for peer in self.peers}
+        if self.hold:
+            hold_gradients(self.model)
         for steps, numbers in numbered(schedule(self.pp, n, self.rank)):
             if len(steps) == 2 and self.overlap:
                 self.overlapped(steps, numbers)
@@ -283,6 +287,8 @@ class Pipeline:
         for _, works in self.sent:
             for work in works:
                 work.wait()
+        if self.hold:
+            reduce_held_gradients(self.model)
         return self.loss
 
     def run(self, step: Step, i: int):
@@ -290,6 +296,8 @@ class Pipeline:
         if step.kind == "W":
             if self.deferred is not None:
                 self.deferred.run_oldest()
+                if self.hold:
+                    fold_held_gradients(self.model)
             return
         out = self.forward(step, i) if step.kind == "F" else self.backward(step, i)
         if out is not None:

@@ -6,7 +6,8 @@ has a kernel (CPU, and CUDA from Hopper on); elsewhere the Triton kernels below 
 
 The backward computes the input gradient (dgrad) and the weight gradient (wgrad) separately. Given a
 `wgrad_queue` list, the backward appends a closure that computes and accumulates the weight gradient
-instead of computing it, so a pipeline schedule can run it later (zero-bubble W steps).
+instead of computing it, so a pipeline schedule can run it later (zero-bubble W steps); `deferred_linear` does
+the same for a dense linear.
 """
 import os
 
@@ -193,6 +194,41 @@ class WgradPairs:
         self.waiting.clear()
 
 
+def add_into_grad(master, grad):
+    """master.grad += grad; master: the parameter, or the fp32 one a compute copy names (`grad_into`)."""
+    master.grad = grad.to(master.dtype) if master.grad is None else master.grad.add_(grad)
+
+
+class _DeferredLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, wgrad_queue):
+        ctx.save_for_backward(x, weight)
+        ctx.wgrad_queue = wgrad_queue
+        ctx.masters = [getattr(p, "grad_into", p) for p in (weight, bias)]   # the fp32 masters of compute copies
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        (weight_into, bias_into), grad_out = ctx.masters, grad_out.reshape(-1, grad_out.shape[-1])
+        weight_wanted, bias_wanted = ctx.needs_input_grad[1:3]
+
+        def accumulate_wgrad():
+            if weight_wanted:
+                add_into_grad(weight_into, grad_out.T @ x.reshape(-1, x.shape[-1]))
+            if bias_wanted:
+                add_into_grad(bias_into, grad_out.sum(0))
+        ctx.wgrad_queue.append(accumulate_wgrad)
+        grad_x = (grad_out @ weight).view(x.shape) if ctx.needs_input_grad[0] else None
+        return grad_x, None, None, None
+
+
+def deferred_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, wgrad_queue) -> torch.Tensor:
+    """F.linear whose backward computes only the input gradient and appends to `wgrad_queue` a closure that adds
+    the weight's (and the bias's) gradient into .grad (grad_into's for a compute copy), as grouped_linear's does."""
+    return _DeferredLinear.apply(x, weight, bias, wgrad_queue)
+
+
 class _GroupedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, offs, wgrad_queue, wgrad_pairs, use_triton):
@@ -213,14 +249,13 @@ class _GroupedLinear(torch.autograd.Function):
         if ctx.wgrad_queue is None and into is None:
             return grad_x, grouped_wgrad(grad_out, x, offs, ctx.use_triton), None, None, None, None
         use_triton, pairs = ctx.use_triton, ctx.wgrad_pairs
-        master = weight if ctx.grad_into is None else ctx.grad_into   # a compute copy's (ComputeCasts) fp32 master
+        master = weight if ctx.grad_into is None else ctx.grad_into
 
         def accumulate_wgrad():
             if into is not None:
                 (add_wgrad_into if pairs is None else pairs.add)(into, grad_out, x, offs)
             else:
-                grad_w = grouped_wgrad(grad_out, x, offs, use_triton)
-                master.grad = grad_w.to(master.dtype) if master.grad is None else master.grad.add_(grad_w)
+                add_into_grad(master, grouped_wgrad(grad_out, x, offs, use_triton))
         if ctx.wgrad_queue is None:
             accumulate_wgrad()
         else:

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pith_apps.config import config_from_dict, require
-from pith_apps.models.layers import (CausalLM, MoeDecoderLayer, RMSNorm, causal_attention,
+from pith_apps.models.layers import (CausalLM, Linear, MoeDecoderLayer, RMSNorm, causal_attention,
                                      SwiGLUExperts, apply_rotary, default_inv_freq, rope_parameters, rotary_cos_sin,
                                      yarn_inv_freq, yarn_mscale)
 from pith_engine.context_parallel import ring_attention
@@ -136,9 +136,9 @@ def apply_rotary_pairs(x, cos, sin):
 class DeepseekV2MLP(nn.Module):
     def __init__(self, hidden: int, inter: int):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.gate_proj = Linear(hidden, inter, bias=False)
+        self.up_proj = Linear(hidden, inter, bias=False)
+        self.down_proj = Linear(inter, hidden, bias=False)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -152,15 +152,15 @@ class DeepseekV2Attention(nn.Module):
         self.nope_dim, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         q_out, self.q_lora = self.heads * (self.nope_dim + self.rope_dim), bool(cfg.q_lora_rank)
         if self.q_lora:
-            self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=False)
+            self.q_a_proj = Linear(cfg.hidden_size, cfg.q_lora_rank, bias=False)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, LATENT_NORM_EPS)
-            self.q_b_proj = nn.Linear(cfg.q_lora_rank, q_out, bias=False)
+            self.q_b_proj = Linear(cfg.q_lora_rank, q_out, bias=False)
         else:
-            self.q_proj = nn.Linear(cfg.hidden_size, q_out, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(cfg.hidden_size, self.kv_lora_rank + self.rope_dim, bias=False)
+            self.q_proj = Linear(cfg.hidden_size, q_out, bias=False)
+        self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, self.kv_lora_rank + self.rope_dim, bias=False)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LATENT_NORM_EPS)
-        self.kv_b_proj = nn.Linear(self.kv_lora_rank, self.heads * (self.nope_dim + self.v_dim), bias=False)
-        self.o_proj = nn.Linear(self.heads * self.v_dim, cfg.hidden_size, bias=False)
+        self.kv_b_proj = Linear(self.kv_lora_rank, self.heads * (self.nope_dim + self.v_dim), bias=False)
+        self.o_proj = Linear(self.heads * self.v_dim, cfg.hidden_size, bias=False)
         # YaRN sharpens the softmax by mscale(factor, mscale_all_dim)^2 (1 without YaRN: factor 1)
         self.scale = (self.nope_dim + self.rope_dim) ** -0.5 * yarn_mscale(cfg.factor, cfg.mscale_all_dim) ** 2
 

@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
 
 from pith_apps.config import config_from_dict, require
-from pith_apps.models.layers import (CausalLM, MoeDecoderLayer, LocalExperts, RMSNorm,
+from pith_apps.models.layers import (CausalLM, Linear, MoeDecoderLayer, LocalExperts, RMSNorm,
                                      apply_rotary, rope_parameters, rotary_cos_sin, visible, yarn_inv_freq, yarn_mscale)
 from pith_engine.context_parallel import ring_attention
 from pith_engine.moe import LoadBalance, Routing
@@ -176,10 +176,10 @@ class GptOssAttention(nn.Module):
         self.ring = parallel.group("cp")   # context parallelism's group, None without
         self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.window = cfg.sliding_window if layer_type == "sliding_attention" else None
-        self.q_proj = nn.Linear(cfg.hidden_size, self.heads * self.head_dim)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim)
-        self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size)
+        self.q_proj = Linear(cfg.hidden_size, self.heads * self.head_dim)
+        self.k_proj = Linear(cfg.hidden_size, self.kv_heads * self.head_dim)
+        self.v_proj = Linear(cfg.hidden_size, self.kv_heads * self.head_dim)
+        self.o_proj = Linear(self.heads * self.head_dim, cfg.hidden_size)
         self.sinks = nn.Parameter(torch.zeros(self.heads))
 
     def forward(self, x, cos, sin, docs=None):

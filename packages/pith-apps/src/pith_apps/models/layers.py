@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pith_ops.cross_entropy import linear_cross_entropy
-from pith_ops.grouped_gemm import grouped_linear
+from pith_ops.grouped_gemm import deferred_linear, grouped_linear
 from pith_ops.swiglu import swiglu
 from pith_engine.context_parallel import ring_attention, zigzag_positions
 from pith_engine.data_parallel import embedding, local_part, this_ranks_part
@@ -191,6 +191,18 @@ class SwiGLUExperts(LocalExperts):
             yield f"{name}.gate_proj.weight", self.gate_up_proj[e, :self.inter]
             yield f"{name}.up_proj.weight", self.gate_up_proj[e, self.inter:]
             yield f"{name}.down_proj.weight", self.down_proj[e]
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose weight gradient a pipeline can defer: given a wgrad_queue (pith_engine.dualpipev's), the
+    backward computes the input gradient and queues the weight's (deferred_linear). Not inside torch.compile,
+    whose backward is one graph: there the weight gradient is computed with the input's."""
+    wgrad_queue = None
+
+    def forward(self, x):
+        if self.wgrad_queue is None or torch.compiler.is_compiling():
+            return super().forward(x)
+        return deferred_linear(x, self.weight, self.bias, self.wgrad_queue)
 
 
 class Embedding(nn.Embedding):

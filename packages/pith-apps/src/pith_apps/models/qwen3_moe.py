@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from pith_apps.config import config_from_dict, require
-from pith_apps.models.layers import (CausalLM, MoeDecoderLayer, RMSNorm, causal_attention,
+from pith_apps.models.layers import (CausalLM, Linear, MoeDecoderLayer, RMSNorm, causal_attention,
                                      SwiGLUExperts, apply_rotary, default_inv_freq, rope_parameters, rotary_cos_sin)
 from pith_engine.moe import LoadBalance, Routing
 from pith_engine.parallel import Parallel
@@ -70,10 +70,10 @@ class Qwen3MoeAttention(nn.Module):
         super().__init__()
         self.ring = parallel.group("cp")   # context parallelism's group, None without
         self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, self.heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.q_proj = Linear(cfg.hidden_size, self.heads * self.head_dim, bias=False)
+        self.k_proj = Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
+        self.v_proj = Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
+        self.o_proj = Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
