@@ -1,5 +1,5 @@
 """The training app with --cp 2 (each sequence in zigzag parts over two gloo processes, ring attention), alone and
-beside expert and pipeline parallelism, against the 1-process run on the same global batches: logged and
+beside expert, pipeline and data parallelism, against the 1-process run on the same global batches: logged and
 held-out losses, resumes between the layouts, and what it refuses with one line."""
 import json
 
@@ -38,9 +38,9 @@ def context_parallel_runs(rank, world, root):
 
 
 def context_beside_other_parallelism(rank, world, root):
-    """cp 2 x ep 2 and cp 2 x pp 2, steps 1-3."""
+    """cp 2 x ep 2, cp 2 x pp 2 and cp 2 x dp 2, steps 1-3."""
     losses = {f"cp2{other}2": train(root, f"cp2{other}2", "--cp", "2", f"--{other}", "2", "--steps", "3")
-              for other in ("ep", "pp")}
+              for other in ("ep", "pp", "dp")}
     if rank == 0:
         (root / "losses.json").write_text(json.dumps(losses))
 
@@ -62,9 +62,9 @@ def runs(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name,steps", [("cp2", slice(0, 6)), ("one-from-cp2", slice(3, 6)), ("cp2ep2", slice(0, 3)),
-                                        ("cp2pp2", slice(0, 3))])
+                                        ("cp2pp2", slice(0, 3)), ("cp2dp2", slice(0, 3))])
 def test_context_parallel_runs_and_resumes_log_the_one_process_losses(runs, name, steps):
-    """cp 2 on 2 processes, cp 2 x ep 2 and cp 2 x pp 2 on 4, one process resuming from cp 2; float32, the same
+    """cp 2 on 2 processes, cp 2 x ep 2, cp 2 x pp 2 and cp 2 x dp 2 on 4, one process resuming from cp 2; float32, the same
     terms summed in other orders: every logged loss within 1e-5 relative."""
     assert len(runs[name]) == len(range(6)[steps])
     for got, expected in zip(runs[name], runs["one"][steps]):
