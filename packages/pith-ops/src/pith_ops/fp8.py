@@ -1,0 +1,258 @@
+"""FP8 (float8_e4m3fn) quantization in blocks, with power-of-two scales.
+
+Activations and gradients are quantized in 1 x 128 blocks along their last dimension (one scale per row and
+128 columns: `quantize_rows`), or along their first dimension with the result transposed (`quantize_columns`:
+what a weight gradient's GEMM, which sums over the tokens, reads); weights in 128 x 128 blocks
+(`quantize_blocks`), whose transpose is the transposed blocks with the same scales. A block's scale is the power of
+two s >= amax / 448 nearest to it, so the block's largest value fits e4m3's largest (448) and dividing by s
+only moves the exponent: the quantized value is the e4m3 rounding of x / s and x ~ q * s.
+
+Each function returns (q, scales), scales fp32; the `*_reference` functions are the same in torch, for the
+tests and the CPU.
+
+`fp8_linear` runs a linear layer's three GEMMs in FP8: the forward and the input gradient as 1 x 128 by 128 x 128
+blocks, the weight gradient as 1 x 128 by 1 x 128 blocks along the tokens (fp32 out), through torch's block-wise
+`scaled_mm` on CUDA (measured on the H200: bench/RESULTS.md) and emulated on the CPU (dequantize, then matmul in
+fp32). Its weights come from an `Fp8WeightCache`, which quantizes each weight once per optimizer step.
+"""
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from pith_ops.grouped_gemm import add_into_grad
+
+E4M3_MAX = 448.0
+BLOCK = 128
+
+
+@triton.jit
+def _power_of_two_at_least(v):
+    """The least power of two >= v (v > 0, normal fp32), read off v's exponent bits: exact, where a log2 would
+    round."""
+    bits = v.to(tl.int32, bitcast=True)
+    exponent = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    return (exponent << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _scale_of(amax):
+    return _power_of_two_at_least(tl.maximum(amax / 448.0, 1.1754943508222875e-38))   # fp32's least normal
+
+
+@triton.jit
+def _round_to_e4m3(v):
+    """v (|v| <= 448) rounded to the nearest e4m3 value, ties to even, in fp32: adding and taking away 1.5 x 2^23
+    e4m3 steps of v's binade leaves v on that step's grid. The cast that follows is then exact, where the triton
+    interpreter's own cast mis-rounds a carry into the next binade (127.5 -> 64)."""
+    binade = tl.maximum(((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)   # below 2^-6: subnormal steps
+    magic = (((binade + 20 + 127) << 23) | 0x400000).to(tl.float32, bitcast=True)   # 1.5 * 2^(binade - 3 + 23)
+    return (v + magic) - magic
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, rows, cols, BM: tl.constexpr, BK: tl.constexpr):
+    """Rows r0..r0+BM, columns k0..k0+BK: one scale per row."""
+    r = tl.program_id(0) * BM + tl.arange(0, BM)
+    k = tl.program_id(1) * BK + tl.arange(0, BK)
+    inside = (r[:, None] < rows) & (k[None, :] < cols)
+    offsets = r[:, None].to(tl.int64) * cols + k[None, :]
+    x = tl.load(x_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
+    scale = _scale_of(tl.max(tl.abs(x), axis=1))
+    tl.store(q_ptr + offsets, _round_to_e4m3(x / scale[:, None]).to(q_ptr.dtype.element_ty), mask=inside)
+    tl.store(s_ptr + r * tl.num_programs(1) + tl.program_id(1), scale, mask=r < rows)
+
+
+@triton.jit
+def _quantize_columns_kernel(x_ptr, q_ptr, s_ptr, rows, cols, BK: tl.constexpr, BN: tl.constexpr):
+    """Rows k0..k0+BK (the summed dimension), columns n0..n0+BN of x [rows, cols]: one scale per column, written
+    transposed: q [cols, rows], s [cols, row blocks]."""
+    k = tl.program_id(0) * BK + tl.arange(0, BK)
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    inside = (k[:, None] < rows) & (n[None, :] < cols)
+    x = tl.load(x_ptr + k[:, None].to(tl.int64) * cols + n[None, :], mask=inside, other=0.0).to(tl.float32)
+    scale = _scale_of(tl.max(tl.abs(x), axis=0))
+    q = _round_to_e4m3(x / scale[None, :]).to(q_ptr.dtype.element_ty)
+    tl.store(q_ptr + n[None, :].to(tl.int64) * rows + k[:, None], q, mask=inside)
+    tl.store(s_ptr + n * tl.num_programs(0) + tl.program_id(0), scale, mask=n < cols)
+
+
+@triton.jit
+def _quantize_blocks_kernel(x_ptr, q_ptr, s_ptr, rows, cols, BN: tl.constexpr, BK: tl.constexpr):
+    """One BN x BK block, one scale."""
+    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    k = tl.program_id(1) * BK + tl.arange(0, BK)
+    inside = (n[:, None] < rows) & (k[None, :] < cols)
+    offsets = n[:, None].to(tl.int64) * cols + k[None, :]
+    x = tl.load(x_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
+    scale = _scale_of(tl.max(tl.max(tl.abs(x), axis=1), axis=0))
+    tl.store(q_ptr + offsets, _round_to_e4m3(x / scale).to(q_ptr.dtype.element_ty), mask=inside)
+    tl.store(s_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), scale)
+
+
+def _empty(x, *shape, dtype):
+    return torch.empty(*shape, dtype=dtype, device=x.device)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> q [M, K] e4m3, scales [M, ceil(K / 128)]: 1 x 128 blocks along K."""
+    x = x.contiguous()
+    (rows, cols), blocks = x.shape, triton.cdiv(x.shape[1], BLOCK)
+    q, scales = _empty(x, rows, cols, dtype=torch.float8_e4m3fn), _empty(x, rows, blocks, dtype=torch.float32)
+    _quantize_rows_kernel[(triton.cdiv(rows, 32), blocks)](x, q, scales, rows, cols, BM=32, BK=BLOCK)
+    return q, scales
+
+
+def quantize_columns(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, N] -> q [N, M] e4m3 (x transposed), scales [N, ceil(M / 128)]: 1 x 128 blocks along M, the
+    quantize_rows of x.T in one pass."""
+    x = x.contiguous()
+    (rows, cols), blocks = x.shape, triton.cdiv(x.shape[0], BLOCK)
+    q, scales = _empty(x, cols, rows, dtype=torch.float8_e4m3fn), _empty(x, cols, blocks, dtype=torch.float32)
+    _quantize_columns_kernel[(blocks, triton.cdiv(cols, 32))](x, q, scales, rows, cols, BK=BLOCK, BN=32)
+    return q, scales
+
+
+def quantize_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> q [N, K] e4m3, scales [ceil(N / 128), ceil(K / 128)]: 128 x 128 blocks."""
+    w = w.contiguous()
+    (rows, cols), grid = w.shape, (triton.cdiv(w.shape[0], BLOCK), triton.cdiv(w.shape[1], BLOCK))
+    q, scales = _empty(w, rows, cols, dtype=torch.float8_e4m3fn), _empty(w, *grid, dtype=torch.float32)
+    _quantize_blocks_kernel[grid](w, q, scales, rows, cols, BN=BLOCK, BK=BLOCK)
+    return q, scales
+
+
+def power_of_two_scales(amax: torch.Tensor) -> torch.Tensor:
+    """The least power of two >= amax / 448 (at least fp32's least normal), exactly: frexp's exponent."""
+    v = torch.clamp(amax.float() / E4M3_MAX, min=torch.finfo(torch.float32).tiny)
+    mantissa, exponent = torch.frexp(v)   # v = mantissa * 2^exponent, mantissa in [0.5, 1)
+    return torch.ldexp(torch.ones_like(v), exponent - (mantissa == 0.5).to(exponent.dtype))
+
+
+def _blocked(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """x [M, K] zero-padded to whole blocks, as [M / rows, rows, K / cols, cols]."""
+    padded = torch.nn.functional.pad(x.float(), (0, -x.shape[1] % cols, 0, -x.shape[0] % rows))
+    return padded.view(padded.shape[0] // rows, rows, padded.shape[1] // cols, cols)
+
+
+def _quantize_reference(x, rows, cols):
+    blocks = _blocked(x, rows, cols)
+    scales = power_of_two_scales(blocks.abs().amax(dim=(1, 3), keepdim=True))
+    q = (blocks / scales).to(torch.float8_e4m3fn).flatten(0, 1).flatten(1)[:x.shape[0], :x.shape[1]]
+    return q, scales[:, 0, :, 0]
+
+
+def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _quantize_reference(x, 1, BLOCK)
+
+
+def quantize_blocks_reference(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _quantize_reference(w, BLOCK, BLOCK)
+
+
+def dequantize(q: torch.Tensor, scales: torch.Tensor, rows: int) -> torch.Tensor:
+    """q * its blocks' scales, fp32: rows 1 for 1 x 128 blocks, 128 for 128 x 128."""
+    full = scales.repeat_interleave(rows, 0).repeat_interleave(BLOCK, 1)
+    return q.float() * full[:q.shape[0], :q.shape[1]]
+
+
+def _column_major(t: torch.Tensor) -> torch.Tensor:
+    return t.T.contiguous().T
+
+
+def _weight_scales(scales: torch.Tensor) -> torch.Tensor:
+    """[N blocks, K blocks] as scaled_mm reads a 128 x 128-block operand's: [K blocks, N blocks] column-major, the K
+    blocks padded to a multiple of 4 (torch 2.11 on the H200 refused K = 1408, 2880 and 768 unpadded)."""
+    padded = F.pad(scales.T, (0, 0, 0, -scales.shape[1] % 4), value=1.0)
+    return _column_major(padded)
+
+
+def matmul_rows_blocks(a: tuple, b: tuple, out_dtype=torch.bfloat16) -> torch.Tensor:
+    """a @ b.T for a = quantize_rows(x) [M, K] and b = quantize_blocks(w) [N, K] (or a weight block-transposed:
+    `transposed`); -> [M, N] in out_dtype."""
+    if not a[0].is_cuda:
+        return (dequantize(*a, 1) @ dequantize(*b, BLOCK).T).to(out_dtype)
+    return F.scaled_mm(a[0], b[0].T, _column_major(a[1]), F.ScalingType.BlockWise1x128, _weight_scales(b[1]),
+                       F.ScalingType.BlockWise128x128, output_dtype=out_dtype)
+
+
+def matmul_rows_rows(a: tuple, b: tuple, out_dtype=torch.float32) -> torch.Tensor:
+    """a @ b.T for a [N, M] and b [K, M] both in 1 x 128 blocks along M (quantize_columns of g [M, N] and of
+    x [M, K]: the weight gradient g.T @ x); -> [N, K] in out_dtype."""
+    if not a[0].is_cuda:
+        return (dequantize(*a, 1) @ dequantize(*b, 1).T).to(out_dtype)
+    return F.scaled_mm(a[0], b[0].T, _column_major(a[1]), F.ScalingType.BlockWise1x128, _column_major(b[1]),
+                       F.ScalingType.BlockWise1x128, output_dtype=out_dtype)
+
+
+def transposed(blocks: tuple) -> tuple:
+    """quantize_blocks(w) -> that of w.T: the blocks transposed, each with its scale."""
+    return blocks[0].T.contiguous(), blocks[1].T.contiguous()
+
+
+class Fp8WeightCache:
+    """Each weight's FP8 blocks and their transpose (for the input gradient), made at the weight's first use after
+    an optimizer step and served to every micro-batch of the step and its backward. `new_step` (which the hook of
+    `watch` runs before each optimizer step) drops them all: they are freed before the optimizer runs and never
+    served after it. An in-place change between steps (a load) is seen through the weight's version counter."""
+
+    def __init__(self):
+        self.copies, self.quantized = {}, 0   # quantized: how many weights were quantized, for tests and logs
+
+    def watch(self, optimizer: torch.optim.Optimizer):
+        optimizer.register_step_pre_hook(lambda *args: self.new_step())
+        return self
+
+    def new_step(self):
+        self.copies.clear()
+
+    def blocks(self, weight: torch.Tensor) -> tuple[tuple, tuple]:
+        """(quantize_blocks(weight), its transposed)."""
+        state = (weight._version, weight.data_ptr())
+        known = self.copies.get(id(weight))
+        if known is None or known[0] != state:
+            with torch.no_grad():
+                quantized = quantize_blocks(weight) if weight.is_cuda else quantize_blocks_reference(weight)
+            known = self.copies[id(weight)] = (state, quantized, transposed(quantized))
+            self.quantized += 1
+        return known[1], known[2]
+
+
+def _rows(x):
+    return quantize_rows(x) if x.is_cuda else quantize_rows_reference(x)
+
+
+def _columns(x):
+    return quantize_columns(x) if x.is_cuda else quantize_rows_reference(x.T)
+
+
+class _Fp8Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, cache, wgrad_queue):
+        rows = x.reshape(-1, x.shape[-1])
+        ctx.cache, ctx.wgrad_queue, ctx.shape = cache, wgrad_queue, x.shape
+        ctx.weight, ctx.master = weight, getattr(weight, "grad_into", weight)
+        ctx.x_columns = _columns(rows)   # the input as the weight gradient reads it, kept in FP8
+        out = matmul_rows_blocks(_rows(rows), cache.blocks(weight)[0], x.dtype)
+        return out.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad = grad_out.reshape(-1, grad_out.shape[-1])
+        grad_x = matmul_rows_blocks(_rows(grad), ctx.cache.blocks(ctx.weight)[1], grad_out.dtype).view(ctx.shape)
+        grad_columns, x_columns, master = _columns(grad), ctx.x_columns, ctx.master
+
+        def accumulate_wgrad():
+            add_into_grad(master, matmul_rows_rows(grad_columns, x_columns))
+        if ctx.wgrad_queue is None:
+            accumulate_wgrad()
+        else:
+            ctx.wgrad_queue.append(accumulate_wgrad)
+        return grad_x, None, None, None
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, cache: Fp8WeightCache, wgrad_queue=None) -> torch.Tensor:
+    """x @ weight.T with FP8 GEMMs (no bias), forward and backward. The weight's gradient (fp32 products) is
+    added into weight.grad by the backward itself (grad_into's for a compute copy that names its fp32 master),
+    or queued on wgrad_queue to run later; autograd sees none."""
+    return _Fp8Linear.apply(x, weight, cache, wgrad_queue)
