@@ -1,6 +1,7 @@
 """FP8 on one GPU (pith_ops.fp8): the quantize kernels' bandwidth, the block-wise FP8 GEMMs against bf16 at the
 three families' dense and expert shapes (an expert GEMM timed as one dense GEMM of all its tokens: the ceiling a
-grouped FP8 kernel can reach), and fp8_linear's forward and backward against F.linear's.
+grouped FP8 kernel can reach), and fp8_linear's forward and backward against F.linear's, called from Python and
+replayed from a CUDA graph (the GPU's time alone, as the app's replayed step sees it).
 
 Run on the device machine from the repo root:
   PYTHONPATH=packages/pith-ops/src python3 bench/fp8.py      (writes $OUT/fp8.json when OUT is set)
@@ -10,7 +11,7 @@ import os
 
 import torch
 import torch.nn.functional as F
-from triton.testing import do_bench
+from triton.testing import do_bench, do_bench_cudagraph
 
 from pith_ops.fp8 import (Fp8WeightCache, fp8_linear, matmul_rows_blocks, matmul_rows_rows, quantize_blocks,
                           quantize_columns, quantize_rows, transposed)
@@ -52,6 +53,8 @@ def measure(name, m, k, n):
     def bf16_layer():
         F.linear(layer_x, weight_copy).backward(g)
     row["layer fwd+bwd ms bf16 / fp8 (weight cached)"] = (round(do_bench(bf16_layer), 3), round(do_bench(fp8_layer), 3))
+    row["the same replayed from a CUDA graph"] = (round(do_bench_cudagraph(bf16_layer), 3),
+                                                  round(do_bench_cudagraph(fp8_layer), 3))
     print(json.dumps(row), flush=True)
     return row
 

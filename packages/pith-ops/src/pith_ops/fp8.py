@@ -223,6 +223,10 @@ def _rows(x):
 
 
 def _columns(x):
+    """The weight gradient's operand: 1 x 128 blocks along the tokens, which scaled_mm sums over in whole blocks
+    (it refused 4 tokens), so a partial block is padded with zero rows, which add nothing."""
+    if x.shape[0] % BLOCK:
+        x = F.pad(x, (0, 0, 0, -x.shape[0] % BLOCK))
     return quantize_columns(x) if x.is_cuda else quantize_rows_reference(x.T)
 
 
