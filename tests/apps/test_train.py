@@ -148,6 +148,19 @@ def test_every_preset_is_a_valid_config(model, preset):
     assert cfg.vocab_size >= 257 and cfg.num_hidden_layers >= 2
 
 
+@pytest.mark.parametrize("model", list(train_app.MODELS))
+def test_layers_grows_a_tiny_preset_by_repeating_its_pattern(model):
+    """--layers 5 on a 2- or 3-layer tiny preset, a run from scratch: 5 layers, GPT-OSS's sliding and full attention
+    alternating on, DeepSeek-V2's dense first layer still the only dense one."""
+    tiny = train_app.model_config(train_app.parse_args([model]))
+    grown = train_app.model_config(train_app.parse_args([model, "--layers", "5"]))
+    assert tiny.num_hidden_layers < 5 == grown.num_hidden_layers
+    if model == "gpt_oss":
+        assert grown.layer_types == ["sliding_attention", "full_attention"] * 2 + ["sliding_attention"]
+    layers = train_app.MODELS[model][1](grown).layers.values()
+    assert sum(not layer.is_moe for layer in layers) == (model == "deepseek_v2")
+
+
 @pytest.mark.parametrize("model,preset", [("qwen3", "30b-a3b"), ("deepseek_v2", "lite"), ("gpt_oss", "20b")])
 def test_layers_cuts_a_real_preset_to_its_first_layers(model, preset):
     full = train_app.model_config(train_app.parse_args([model, "--preset", preset]))
@@ -174,7 +187,8 @@ def test_batches_are_a_pure_function_of_seed_and_step(tmp_path):
     (["qwen3", "--config", "BAD_CONFIG"], "config value num_experts=0 must be a positive integer"),
     (["qwen3", "--ep", "2"], "pp x dp x cp x ep = 1 x 1 x 1 x 2 = 2, but the world has 1 processes"),
     (["qwen3", "--micro-batch-size", "3"], "--micro-batch-size=3 does not divide the 16 sequences of each data rank"),
-    (["qwen3", "--layers", "3"], "--layers=3 must be at most the config's num_hidden_layers=2"),
+    (["qwen3", "--init", "INIT_DIR", "--layers", "3"], "--layers=3 must be at most the --init model's "
+                                                       "num_hidden_layers=1 (its weights hold no more layers)"),
     (["deepseek_v2", "--layers", "1"], "all 1 layers of the model are dense, none MoE; raise --layers"),
     (["qwen3", "--cuda-graph", "--device", "cpu"], "--cuda-graph needs CUDA and one process (here --device cpu, 1 "),
 ])
@@ -183,7 +197,7 @@ def test_bad_input_ends_with_one_clear_line(argv, named, tmp_path):
     bad.write_text('{"model_type": "qwen3_moe", "vocab_size": 257, "hidden_size": 8, "num_hidden_layers": 1, '
                    '"num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 4, '
                    '"moe_intermediate_size": 8, "num_experts": 0, "num_experts_per_tok": 1}')
-    argv = [str(bad) if a == "BAD_CONFIG" else a for a in argv]
+    argv = [{"BAD_CONFIG": str(bad), "INIT_DIR": str(tmp_path)}.get(a, a) for a in argv]
     result = subprocess.run([sys.executable, "-m", "pith_apps.train", *argv, "--out", str(tmp_path)],
                             capture_output=True, text=True)
     assert result.returncode == 2

@@ -42,7 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--preset and --config), its safetensors weights and, unless --tokenizer is given, its tokenizer.json. "
         "On several processes rank 0 first writes the weights as a checkpoint in <out>/init-weights, which every "
         "rank loads its part of.")
-    add("--layers", type=int, help="Keep only the first N decoder layers of the config, for experiments.")
+    add("--layers", type=int, help="Use N decoder layers, for experiments: the config's first N, or, for a run that "
+        "does not start from --init weights, more than the config has, its pattern of layers repeated (enough "
+        "layers for --pp with a tiny preset, say).")
     add("--data", default=str(DEFAULT_CORPUS), help="A .txt, .jsonl, .json, .parquet or .arrow file, a folder of "
         "files of one of those kinds, or a Hugging Face hub dataset name (owner/name), to train on (default: the "
         "small corpus bundled with the app).")
@@ -215,8 +217,9 @@ def hf_config_data(args) -> dict:
             f"run: pith-train {family} --config {path}")
     if args.layers:
         layers = data.get("num_hidden_layers")
-        require(isinstance(layers, int) and args.layers <= layers,
-                f"--layers={args.layers} must be at most the config's num_hidden_layers={layers}")
+        require(isinstance(layers, int) and (args.layers <= layers or not args.init),
+                f"--layers={args.layers} must be at most the --init model's num_hidden_layers={layers} (its weights "
+                "hold no more layers)")
         data |= {"num_hidden_layers": args.layers} | (
-            {"layer_types": data["layer_types"][:args.layers]} if "layer_types" in data else {})
+            {"layer_types": [data["layer_types"][n % layers] for n in range(args.layers)]} if "layer_types" in data else {})
     return data
