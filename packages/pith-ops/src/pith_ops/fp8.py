@@ -13,14 +13,13 @@ tests and the CPU.
 `fp8_linear` runs a linear layer's three GEMMs in FP8: the forward and the input gradient as 1 x 128 by 128 x 128
 blocks, the weight gradient as 1 x 128 by 1 x 128 blocks along the tokens (fp32 out), through torch's block-wise
 `scaled_mm` on CUDA (measured on the H200: bench/RESULTS.md) and emulated on the CPU (dequantize, then matmul in
-fp32). Its weights come from an `Fp8WeightCache`, which quantizes each weight once per optimizer step.
+fp32). Its weights come from an `Fp8WeightCache`, which quantizes each weight once per optimizer step. The
+experts' FP8 GEMMs are pith_ops.grouped_gemm's (`grouped_linear(..., fp8=cache)`, `fp8_grouped_rows`).
 """
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-
-from pith_ops.grouped_gemm import add_into_grad
 
 E4M3_MAX = 448.0
 BLOCK = 128
@@ -79,15 +78,16 @@ def _quantize_columns_kernel(x_ptr, q_ptr, s_ptr, rows, cols, BK: tl.constexpr, 
 
 @triton.jit
 def _quantize_blocks_kernel(x_ptr, q_ptr, s_ptr, rows, cols, BN: tl.constexpr, BK: tl.constexpr):
-    """One BN x BK block, one scale."""
+    """One BN x BK block of matrix program_id(2) (an expert's), one scale."""
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     k = tl.program_id(1) * BK + tl.arange(0, BK)
     inside = (n[:, None] < rows) & (k[None, :] < cols)
-    offsets = n[:, None].to(tl.int64) * cols + k[None, :]
+    offsets = tl.program_id(2).to(tl.int64) * rows * cols + n[:, None].to(tl.int64) * cols + k[None, :]
     x = tl.load(x_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
     scale = _scale_of(tl.max(tl.max(tl.abs(x), axis=1), axis=0))
     tl.store(q_ptr + offsets, _round_to_e4m3(x / scale).to(q_ptr.dtype.element_ty), mask=inside)
-    tl.store(s_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), scale)
+    blocks = tl.num_programs(0) * tl.num_programs(1)
+    tl.store(s_ptr + tl.program_id(2) * blocks + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), scale)
 
 
 def _empty(x, *shape, dtype):
@@ -114,11 +114,12 @@ def quantize_columns(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def quantize_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [N, K] -> q [N, K] e4m3, scales [ceil(N / 128), ceil(K / 128)]: 128 x 128 blocks."""
+    """w [N, K] -> q [N, K] e4m3, scales [ceil(N / 128), ceil(K / 128)]: 128 x 128 blocks; w [E, N, K] (a stack
+    of experts' weights) -> each expert's blocks, scales [E, ceil(N / 128), ceil(K / 128)]."""
     w = w.contiguous()
-    (rows, cols), grid = w.shape, (triton.cdiv(w.shape[0], BLOCK), triton.cdiv(w.shape[1], BLOCK))
-    q, scales = _empty(w, rows, cols, dtype=torch.float8_e4m3fn), _empty(w, *grid, dtype=torch.float32)
-    _quantize_blocks_kernel[grid](w, q, scales, rows, cols, BN=BLOCK, BK=BLOCK)
+    (rows, cols), grid = w.shape[-2:], (triton.cdiv(w.shape[-2], BLOCK), triton.cdiv(w.shape[-1], BLOCK))
+    q, scales = torch.empty_like(w, dtype=torch.float8_e4m3fn), _empty(w, *w.shape[:-2], *grid, dtype=torch.float32)
+    _quantize_blocks_kernel[(*grid, w[..., 0, 0].numel())](w, q, scales, rows, cols, BN=BLOCK, BK=BLOCK)
     return q, scales
 
 
@@ -147,13 +148,15 @@ def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 
 def quantize_blocks_reference(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if w.dim() == 3:
+        return tuple(torch.stack(parts) for parts in zip(*(_quantize_reference(e, BLOCK, BLOCK) for e in w)))
     return _quantize_reference(w, BLOCK, BLOCK)
 
 
 def dequantize(q: torch.Tensor, scales: torch.Tensor, rows: int) -> torch.Tensor:
-    """q * its blocks' scales, fp32: rows 1 for 1 x 128 blocks, 128 for 128 x 128."""
-    full = scales.repeat_interleave(rows, 0).repeat_interleave(BLOCK, 1)
-    return q.float() * full[:q.shape[0], :q.shape[1]]
+    """q * its blocks' scales, fp32: rows 1 for 1 x 128 blocks, 128 for 128 x 128 (of each matrix of a stack)."""
+    full = scales.repeat_interleave(rows, -2).repeat_interleave(BLOCK, -1)
+    return q.float() * full[..., :q.shape[-2], :q.shape[-1]]
 
 
 def _column_major(t: torch.Tensor) -> torch.Tensor:
@@ -186,15 +189,16 @@ def matmul_rows_rows(a: tuple, b: tuple, out_dtype=torch.float32) -> torch.Tenso
 
 
 def transposed(blocks: tuple) -> tuple:
-    """quantize_blocks(w) -> that of w.T: the blocks transposed, each with its scale."""
-    return blocks[0].T.contiguous(), blocks[1].T.contiguous()
+    """quantize_blocks(w) -> that of w.T (of each matrix of a stack): the blocks transposed, each with its scale."""
+    return tuple(t.transpose(-2, -1).contiguous() for t in blocks)
 
 
 class Fp8WeightCache:
-    """Each weight's FP8 blocks and their transpose (for the input gradient), made at the weight's first use after
-    an optimizer step and served to every micro-batch of the step and its backward. `new_step` (which the hook of
-    `watch` runs before each optimizer step) drops them all: they are freed before the optimizer runs and never
-    served after it. An in-place change between steps (a load) is seen through the weight's version counter."""
+    """Each weight's FP8 blocks (and, asked for, their transpose: a dense layer's input gradient reads it), made at
+    the weight's first use after an optimizer step and served to every micro-batch of the step and its backward.
+    `new_step` (which the hook of `watch` runs before each optimizer step) drops them all: they are freed before
+    the optimizer runs and never served after it. An in-place change between steps (a load) is seen through the
+    weight's version counter."""
 
     def __init__(self):
         self.copies, self.quantized = {}, 0   # quantized: how many weights were quantized, for tests and logs
@@ -206,20 +210,27 @@ class Fp8WeightCache:
     def new_step(self):
         self.copies.clear()
 
-    def blocks(self, weight: torch.Tensor) -> tuple[tuple, tuple]:
-        """(quantize_blocks(weight), its transposed)."""
+    def blocks(self, weight: torch.Tensor, transpose: bool = False) -> tuple:
+        """quantize_blocks(weight), or its transposed."""
         state = (weight._version, weight.data_ptr())
         known = self.copies.get(id(weight))
         if known is None or known[0] != state:
             with torch.no_grad():
                 quantized = quantize_blocks(weight) if weight.is_cuda else quantize_blocks_reference(weight)
-            known = self.copies[id(weight)] = (state, quantized, transposed(quantized))
+            known = self.copies[id(weight)] = (state, {False: quantized})
             self.quantized += 1
-        return known[1], known[2]
+        if transpose not in known[1]:
+            known[1][transpose] = transposed(known[1][False])
+        return known[1][transpose]
+
+
+def quantize_rows_where(x: torch.Tensor, kernel: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_rows by the Triton kernel, or (kernel False) by the torch reference."""
+    return quantize_rows(x) if kernel else quantize_rows_reference(x)
 
 
 def _rows(x):
-    return quantize_rows(x) if x.is_cuda else quantize_rows_reference(x)
+    return quantize_rows_where(x, x.is_cuda)
 
 
 def _columns(x):
@@ -237,17 +248,18 @@ class _Fp8Linear(torch.autograd.Function):
         ctx.cache, ctx.wgrad_queue, ctx.shape = cache, wgrad_queue, x.shape
         ctx.weight, ctx.master = weight, getattr(weight, "grad_into", weight)
         ctx.x_columns = _columns(rows)   # the input as the weight gradient reads it, kept in FP8
-        out = matmul_rows_blocks(_rows(rows), cache.blocks(weight)[0], x.dtype)
+        out = matmul_rows_blocks(_rows(rows), cache.blocks(weight), x.dtype)
         return out.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad_out):
         grad = grad_out.reshape(-1, grad_out.shape[-1])
-        grad_x = matmul_rows_blocks(_rows(grad), ctx.cache.blocks(ctx.weight)[1], grad_out.dtype).view(ctx.shape)
+        grad_x = matmul_rows_blocks(_rows(grad), ctx.cache.blocks(ctx.weight, True), grad_out.dtype).view(ctx.shape)
         grad_columns, x_columns, master = _columns(grad), ctx.x_columns, ctx.master
 
         def accumulate_wgrad():
-            add_into_grad(master, matmul_rows_rows(grad_columns, x_columns))
+            wgrad = matmul_rows_rows(grad_columns, x_columns)
+            master.grad = wgrad.to(master.dtype) if master.grad is None else master.grad.add_(wgrad)
         if ctx.wgrad_queue is None:
             accumulate_wgrad()
         else:
