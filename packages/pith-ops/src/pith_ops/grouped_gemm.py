@@ -185,7 +185,7 @@ def fp8_grouped_rows(a: torch.Tensor, weight_blocks: tuple, offs, kernel: bool, 
     return out
 
 
-FP8_LAUNCH = dict(BM=64)
+FP8_LAUNCH = dict(BM=64)   # of 6 tile / warp / stage choices on the H200 the fastest or within 3% (bench/RESULTS.md)
 
 
 def _triton_wgrad(grad_out, x, offs, out, accumulate, blocks=(BLOCK_M, BLOCK_N, BLOCK_K), paired=None, **launch):
