@@ -13,9 +13,8 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench, do_bench_cudagraph
 
-from pith_ops.fp8 import (Fp8WeightCache, fp8_linear, matmul_rows_blocks, matmul_rows_rows, quantize_blocks,
-                          quantize_columns, quantize_rows, transposed)
-from pith_ops.grouped_gemm import fp8_grouped_rows
+from pith_ops.fp8 import (Fp8WeightCache, fp8_grouped_rows, fp8_linear, matmul_rows_blocks, matmul_rows_rows,
+                          quantize_blocks, quantize_columns, quantize_rows, transposed)
 
 # (name, experts, routed rows of a 4096-token micro-batch, in K, out N) of each expert GEMM
 EXPERTS = [("qwen3 gate_up", 128, 32768, 2048, 1536), ("qwen3 down", 128, 32768, 768, 2048),

@@ -14,12 +14,15 @@ tests and the CPU.
 blocks, the weight gradient as 1 x 128 by 1 x 128 blocks along the tokens (fp32 out), through torch's block-wise
 `scaled_mm` on CUDA (measured on the H200: bench/RESULTS.md) and emulated on the CPU (dequantize, then matmul in
 fp32). Its weights come from an `Fp8WeightCache`, which quantizes each weight once per optimizer step. The
-experts' FP8 GEMMs are pith_ops.grouped_gemm's (`grouped_linear(..., fp8=cache)`, `fp8_grouped_rows`).
+experts' FP8 GEMMs (`fp8_grouped_rows`, a Triton kernel) run through `grouped_linear(..., fp8=cache)`.
 """
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from pith_ops.grouped_gemm import (add_into_grad, expert_strides, grouped_linear_reference, row_tiles,
+                                   run_or_queue)
 
 E4M3_MAX = 448.0
 BLOCK = 128
@@ -88,6 +91,36 @@ def _quantize_blocks_kernel(x_ptr, q_ptr, s_ptr, rows, cols, BN: tl.constexpr, B
     tl.store(q_ptr + offsets, _round_to_e4m3(x / scale).to(q_ptr.dtype.element_ty), mask=inside)
     blocks = tl.num_programs(0) * tl.num_programs(1)
     tl.store(s_ptr + tl.program_id(2) * blocks + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), scale)
+
+
+@triton.jit
+def _fp8_rows_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, out_ptr, offs_ptr, tile_expert_ptr, tile_first_ptr, n_cols, k_dim,
+                     stride_be, stride_bk, stride_bn, scale_e, scale_k, scale_n, BM: tl.constexpr, BN: tl.constexpr,
+                     BK: tl.constexpr):
+    """out[rows of e] = a[rows of e] @ B_e in FP8: a in 1 x BK blocks (scales sa [rows, k blocks]), B_e in BK x BN
+    blocks (scale of k block i, n block j at sb + e * scale_e + i * scale_k + j * scale_n); each block's product
+    summed in fp32 by the tensor cores, then scaled and added (BN = BK = the blocks' 128)."""
+    tile = tl.program_id(0)
+    expert = tl.load(tile_expert_ptr + tile)
+    row_end = tl.load(offs_ptr + expert)
+    row_start = tl.load(offs_ptr + expert - 1, mask=expert > 0, other=0)
+    first_row = row_start + (tile - tl.load(tile_first_ptr + expert)) * BM
+    if first_row >= row_end:
+        return
+    rows, cols = first_row + tl.arange(0, BM), tl.program_id(1) * BN + tl.arange(0, BN)
+    k_blocks = tl.cdiv(k_dim, BK)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for kb in range(0, k_blocks):
+        ks = kb * BK + tl.arange(0, BK)
+        a = tl.load(a_ptr + rows[:, None].to(tl.int64) * k_dim + ks[None, :],
+                    mask=(rows[:, None] < row_end) & (ks[None, :] < k_dim), other=0.0)
+        b = tl.load(b_ptr + expert.to(tl.int64) * stride_be + ks[:, None] * stride_bk + cols[None, :] * stride_bn,
+                    mask=(ks[:, None] < k_dim) & (cols[None, :] < n_cols), other=0.0)
+        row_scales = tl.load(sa_ptr + rows.to(tl.int64) * k_blocks + kb, mask=rows < row_end, other=0.0)
+        block_scale = tl.load(sb_ptr + expert * scale_e + kb * scale_k + tl.program_id(1) * scale_n)
+        acc += tl.dot(a, b) * (row_scales[:, None] * block_scale)
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * n_cols + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=(rows[:, None] < row_end) & (cols[None, :] < n_cols))
 
 
 def _empty(x, *shape, dtype):
@@ -223,14 +256,15 @@ class Fp8WeightCache:
             known[1][transpose] = transposed(known[1][False])
         return known[1][transpose]
 
+    def grouped_rows(self, a, weight, offs, kernel: bool, transpose: bool = False) -> torch.Tensor:
+        """fp8_grouped_rows of a against this step's blocks of the expert stack `weight` (transpose: its transposed
+        blocks, for the input gradient): what grouped_linear(fp8=self) runs."""
+        return fp8_grouped_rows(a, self.blocks(weight, transpose), offs, kernel)
 
-def quantize_rows_where(x: torch.Tensor, kernel: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """quantize_rows by the Triton kernel, or (kernel False) by the torch reference."""
-    return quantize_rows(x) if kernel else quantize_rows_reference(x)
 
-
-def _rows(x):
-    return quantize_rows_where(x, x.is_cuda)
+def _rows(x, kernel=None):
+    """quantize_rows by the Triton kernel (default: on CUDA), or by the torch reference."""
+    return quantize_rows(x) if (x.is_cuda if kernel is None else kernel) else quantize_rows_reference(x)
 
 
 def _columns(x):
@@ -257,13 +291,7 @@ class _Fp8Linear(torch.autograd.Function):
         grad_x = matmul_rows_blocks(_rows(grad), ctx.cache.blocks(ctx.weight, True), grad_out.dtype).view(ctx.shape)
         grad_columns, x_columns, master = _columns(grad), ctx.x_columns, ctx.master
 
-        def accumulate_wgrad():
-            wgrad = matmul_rows_rows(grad_columns, x_columns)
-            master.grad = wgrad.to(master.dtype) if master.grad is None else master.grad.add_(wgrad)
-        if ctx.wgrad_queue is None:
-            accumulate_wgrad()
-        else:
-            ctx.wgrad_queue.append(accumulate_wgrad)
+        run_or_queue(lambda: add_into_grad(master, matmul_rows_rows(grad_columns, x_columns)), ctx.wgrad_queue)
         return grad_x, None, None, None
 
 
@@ -272,3 +300,26 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, cache: Fp8WeightCache, wgr
     added into weight.grad by the backward itself (grad_into's for a compute copy that names its fp32 master),
     or queued on wgrad_queue to run later; autograd sees none."""
     return _Fp8Linear.apply(x, weight, cache, wgrad_queue)
+
+
+FP8_LAUNCH = dict(BM=64)   # of 6 tile / warp / stage choices on the H200 the fastest or within 3% (bench/RESULTS.md)
+
+
+def fp8_grouped_rows(a: torch.Tensor, weight_blocks: tuple, offs, kernel: bool, **launch) -> torch.Tensor:
+    """In FP8, per expert: a_rows @ w[e].T, bf16 out, for a [rows, K] bf16 (quantized here in 1 x 128 blocks) and
+    weight_blocks = quantize_blocks(w [E, N, K]) (the input gradient passes the transposed blocks of its weight,
+    so that the kernel reads each weight along K, as the FP8 tensor cores want: read across, it ran at 85 TFLOP/s
+    on the H200). kernel: the Triton kernel; else emulated (each operand dequantized, fp32 GEMMs)."""
+    (a_q, a_scales), (w_q, w_scales) = _rows(a, kernel), weight_blocks
+    if not kernel:
+        counts = torch.diff(offs, prepend=offs.new_zeros(1))
+        return grouped_linear_reference(dequantize(a_q, a_scales, 1), dequantize(w_q, w_scales, BLOCK),
+                                        counts).to(a.dtype)
+    launch = FP8_LAUNCH | launch
+    tile_expert, tile_first, max_tiles = row_tiles(offs, a.shape[0], launch["BM"])
+    out = a.new_empty(a.shape[0], w_q.shape[1])
+    _fp8_rows_kernel[(max_tiles, triton.cdiv(w_q.shape[1], BLOCK))](
+        a_q, a_scales, w_q, w_scales, out, offs, tile_expert, tile_first, w_q.shape[1], a.shape[1],
+        *expert_strides(w_q, True), *expert_strides(w_scales, True), BN=BLOCK, BK=BLOCK, **launch)
+    return out
+

@@ -16,8 +16,6 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from pith_ops.fp8 import BLOCK as FP8_BLOCK, Fp8WeightCache, dequantize, quantize_rows_where
-
 
 def grouped_linear_reference(x, weight, tokens_per_expert):
     rows = torch.split(x, tokens_per_expert.tolist())
@@ -47,36 +45,6 @@ def _grouped_rows_kernel(a_ptr, b_ptr, out_ptr, offs_ptr, tile_expert_ptr, tile_
         if UPCAST:
             a, b = a.to(tl.float32), b.to(tl.float32)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
-    tl.store(out_ptr + rows[:, None].to(tl.int64) * n_cols + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=(rows[:, None] < row_end) & (cols[None, :] < n_cols))
-
-
-@triton.jit
-def _fp8_rows_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, out_ptr, offs_ptr, tile_expert_ptr, tile_first_ptr, n_cols, k_dim,
-                     stride_be, stride_bk, stride_bn, scale_e, scale_k, scale_n, BM: tl.constexpr, BN: tl.constexpr,
-                     BK: tl.constexpr):
-    """out[rows of e] = a[rows of e] @ B_e in FP8: a in 1 x BK blocks (scales sa [rows, k blocks]), B_e in BK x BN
-    blocks (scale of k block i, n block j at sb + e * scale_e + i * scale_k + j * scale_n); each block's product
-    summed in fp32 by the tensor cores, then scaled and added (BN = BK = the blocks' 128)."""
-    tile = tl.program_id(0)
-    expert = tl.load(tile_expert_ptr + tile)
-    row_end = tl.load(offs_ptr + expert)
-    row_start = tl.load(offs_ptr + expert - 1, mask=expert > 0, other=0)
-    first_row = row_start + (tile - tl.load(tile_first_ptr + expert)) * BM
-    if first_row >= row_end:
-        return
-    rows, cols = first_row + tl.arange(0, BM), tl.program_id(1) * BN + tl.arange(0, BN)
-    k_blocks = tl.cdiv(k_dim, BK)
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for kb in range(0, k_blocks):
-        ks = kb * BK + tl.arange(0, BK)
-        a = tl.load(a_ptr + rows[:, None].to(tl.int64) * k_dim + ks[None, :],
-                    mask=(rows[:, None] < row_end) & (ks[None, :] < k_dim), other=0.0)
-        b = tl.load(b_ptr + expert.to(tl.int64) * stride_be + ks[:, None] * stride_bk + cols[None, :] * stride_bn,
-                    mask=(ks[:, None] < k_dim) & (cols[None, :] < n_cols), other=0.0)
-        row_scales = tl.load(sa_ptr + rows.to(tl.int64) * k_blocks + kb, mask=rows < row_end, other=0.0)
-        block_scale = tl.load(sb_ptr + expert * scale_e + kb * scale_k + tl.program_id(1) * scale_n)
-        acc += tl.dot(a, b) * (row_scales[:, None] * block_scale)
     tl.store(out_ptr + rows[:, None].to(tl.int64) * n_cols + cols[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=(rows[:, None] < row_end) & (cols[None, :] < n_cols))
 
@@ -140,7 +108,7 @@ def _precision(t: torch.Tensor) -> str:
     return "ieee" if t.dtype == torch.float32 else "tf32"
 
 
-def _row_tiles(offs, rows: int, block: int):
+def row_tiles(offs, rows: int, block: int):
     """(tile_expert, tile_first, tiles): the expert of each tile of `block` rows, each expert's first tile, and
     the launch's tile count, sized without asking the host for the counts (each expert wastes at most one tile)."""
     num_experts = offs.shape[0]
@@ -151,41 +119,19 @@ def _row_tiles(offs, rows: int, block: int):
     return tile_expert.clamp_(max=num_experts - 1), tile_first, max_tiles
 
 
-def _strides(t, transpose: bool) -> tuple:
+def expert_strides(t, transpose: bool) -> tuple:
     """(expert, k, n) strides of a weight stack [E, n, k] read as B_e[k, n] (transpose), or [E, k, n] as it is."""
     return (t.stride(0), t.stride(2), t.stride(1)) if transpose else (t.stride(0), t.stride(1), t.stride(2))
 
 
 def _triton_rows(a, b, offs, n_cols, transpose_b: bool):
     """Per expert: a_rows @ b[e].T (forward, b [E, n_cols, k]) or a_rows @ b[e] (dgrad, b [E, k, n_cols])."""
-    tile_expert, tile_first, max_tiles = _row_tiles(offs, a.shape[0], BLOCK_M)
+    tile_expert, tile_first, max_tiles = row_tiles(offs, a.shape[0], BLOCK_M)
     out = a.new_empty(a.shape[0], n_cols)
     grid = (max_tiles, triton.cdiv(n_cols, BLOCK_N))
-    _grouped_rows_kernel[grid](a, b, out, offs, tile_expert, tile_first, n_cols, a.shape[1], *_strides(b, transpose_b),
+    _grouped_rows_kernel[grid](a, b, out, offs, tile_expert, tile_first, n_cols, a.shape[1], *expert_strides(b, transpose_b),
                                BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, UPCAST=UPCAST, PRECISION=_precision(a))
     return out
-
-
-def fp8_grouped_rows(a: torch.Tensor, weight_blocks: tuple, offs, kernel: bool, **launch) -> torch.Tensor:
-    """In FP8, per expert: a_rows @ w[e].T, bf16 out, for a [rows, K] bf16 (quantized here in 1 x 128 blocks) and
-    weight_blocks = quantize_blocks(w [E, N, K]) (the input gradient passes the transposed blocks of its weight,
-    so that the kernel reads each weight along K, as the FP8 tensor cores want: read across, it ran at 85 TFLOP/s
-    on the H200). kernel: the Triton kernel; else emulated (each operand dequantized, fp32 GEMMs)."""
-    (a_q, a_scales), (w_q, w_scales) = quantize_rows_where(a, kernel), weight_blocks
-    if not kernel:
-        counts = torch.diff(offs, prepend=offs.new_zeros(1))
-        return grouped_linear_reference(dequantize(a_q, a_scales, 1), dequantize(w_q, w_scales, FP8_BLOCK),
-                                        counts).to(a.dtype)
-    launch = FP8_LAUNCH | launch
-    tile_expert, tile_first, max_tiles = _row_tiles(offs, a.shape[0], launch["BM"])
-    out = a.new_empty(a.shape[0], w_q.shape[1])
-    _fp8_rows_kernel[(max_tiles, triton.cdiv(w_q.shape[1], FP8_BLOCK))](
-        a_q, a_scales, w_q, w_scales, out, offs, tile_expert, tile_first, w_q.shape[1], a.shape[1],
-        *_strides(w_q, True), *_strides(w_scales, True), BN=FP8_BLOCK, BK=FP8_BLOCK, **launch)
-    return out
-
-
-FP8_LAUNCH = dict(BM=64)   # of 6 tile / warp / stage choices on the H200 the fastest or within 3% (bench/RESULTS.md)
 
 
 def _triton_wgrad(grad_out, x, offs, out, accumulate, blocks=(BLOCK_M, BLOCK_N, BLOCK_K), paired=None, **launch):
@@ -263,6 +209,14 @@ def add_into_grad(master, grad):
     master.grad = grad.to(master.dtype) if master.grad is None else master.grad.add_(grad)
 
 
+def run_or_queue(accumulate_wgrad, wgrad_queue):
+    """A backward's weight-gradient closure: run now, or appended to wgrad_queue to run later (a W step)."""
+    if wgrad_queue is None:
+        accumulate_wgrad()
+    else:
+        wgrad_queue.append(accumulate_wgrad)
+
+
 class _DeferredLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, wgrad_queue):
@@ -300,22 +254,21 @@ class _GroupedLinear(torch.autograd.Function):
         ctx.wgrad_queue, ctx.wgrad_pairs, ctx.use_triton, ctx.fp8 = wgrad_queue, wgrad_pairs, use_triton, fp8
         ctx.grad_into = getattr(weight, "grad_into", None)
         if fp8 is not None:
-            return fp8_grouped_rows(x, fp8.blocks(weight), offs, x.is_cuda if use_triton is None else use_triton)
+            return fp8.grouped_rows(x, weight, offs, x.is_cuda if use_triton is None else use_triton)
         return grouped_forward(x, weight, offs, use_triton)
 
     @staticmethod
     def backward(ctx, grad_out):
         x, weight, offs = ctx.saved_tensors
         grad_out = grad_out.contiguous()
+        triton_here = x.is_cuda if ctx.use_triton is None else ctx.use_triton
         grad_x = None
         if ctx.needs_input_grad[0] and ctx.fp8 is not None:
-            grad_x = fp8_grouped_rows(grad_out, ctx.fp8.blocks(weight, transpose=True), offs,
-                                      x.is_cuda if ctx.use_triton is None else ctx.use_triton)
+            grad_x = ctx.fp8.grouped_rows(grad_out, weight, offs, triton_here, transpose=True)
         elif ctx.needs_input_grad[0]:
             grad_x = grouped_dgrad(grad_out, weight, offs, ctx.use_triton)
         if not ctx.needs_input_grad[1]:
             return grad_x, None, None, None, None, None, None
-        triton_here = x.is_cuda if ctx.use_triton is None else ctx.use_triton
         into = ctx.grad_into if triton_here else None
         if ctx.wgrad_queue is None and into is None:
             return grad_x, grouped_wgrad(grad_out, x, offs, ctx.use_triton), None, None, None, None, None
@@ -327,16 +280,13 @@ class _GroupedLinear(torch.autograd.Function):
                 (add_wgrad_into if pairs is None else pairs.add)(into, grad_out, x, offs)
             else:
                 add_into_grad(master, grouped_wgrad(grad_out, x, offs, use_triton))
-        if ctx.wgrad_queue is None:
-            accumulate_wgrad()
-        else:
-            ctx.wgrad_queue.append(accumulate_wgrad)
+        run_or_queue(accumulate_wgrad, ctx.wgrad_queue)
         return grad_x, None, None, None, None, None, None
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.Tensor,
                    wgrad_queue: list | None = None, wgrad_pairs: WgradPairs | None = None,
-                   use_triton: bool | None = None, fp8: Fp8WeightCache | None = None) -> torch.Tensor:
+                   use_triton: bool | None = None, fp8=None) -> torch.Tensor:
     """x [tokens, in] sorted by expert, weight [experts, out, in] (nn.Linear layout) -> [tokens, out].
 
     wgrad_queue: if given, the weight gradient is not returned by backward but appended to it as a closure
@@ -345,8 +295,8 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: tor
     no gradient through autograd: where the Triton kernels run (CUDA unless use_triton=False, or
     use_triton=True) the weight-gradient kernel adds it straight into grad_into.grad (add_wgrad_into);
     elsewhere it is returned as usual; given `wgrad_pairs`, that kernel runs once per two micro-batches.
-    fp8: the forward and the input gradient in FP8 (fp8_grouped_rows), the weight quantized once per optimizer
-    step by this cache; the weight gradient stays in bf16 (an FP8 one would need blocks along each expert's
+    fp8: a pith_ops.fp8.Fp8WeightCache: the forward and the input gradient in FP8 (its grouped_rows), the weight
+    quantized once per optimizer step; the weight gradient stays in bf16 (an FP8 one would need blocks along each expert's
     tokens, and its GEMM gained least from FP8: bench/RESULTS.md).
     """
     offs = torch.cumsum(tokens_per_expert, 0, dtype=torch.int32)
