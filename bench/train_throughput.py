@@ -17,14 +17,17 @@ width) against the bf16 matmul peak measured here.
 
   PYTHONPATH=packages/pith-ops/src:packages/pith-engine/src:packages/pith-apps/src \
     python3 bench/train_throughput.py [--families qwen3] [--accum 1 8] [--precision bf16 mixed] [--repeats 2]
-        [--sides pith] [--profile] [--no-cuda-graph]
+        [--sides pith] [--profile] [--no-cuda-graph] [--fp8]   (--fp8: each of our rows also with the app's --fp8)
   ... --parity [--precision mixed] [--lr 1e-4]: from the same transformers weights, our loss over 20 AdamW
       steps on the bundled corpus (byte tokens) against transformers'
   ... --sdpa-check: transformers alone, and after one call of our causal attention in its process
   ... --grads: from the same weights, each gradient of one step against transformers' (mixed precision),
       with transformers' own bf16-vs-mixed difference per tensor for scale
+  ... --fp8-convergence [--steps 300] [--lr 1e-4] [--accum 1]: our mixed-precision loss on the bundled corpus with
+      and without --fp8, from the same weights
 
-Writes $OUT/train_throughput.json (or parity.json, sdpa_check.json, grads.json) when OUT is set.
+Writes $OUT/train_throughput.json (or parity.json, sdpa_check.json, grads.json, fp8_convergence.json) when OUT is
+set.
 """
 import argparse
 import json
@@ -72,17 +75,19 @@ def batches(count: int, rows: int, seq: int, vocab: int, corpus: bool):
 def pith_setup(c: dict, preset: dict, hf_weights: str | None = None):
     """The app's model, optimizer and step function for configuration c."""
     import torch
+    from pith_apps.models.layers import use_fp8
     from pith_apps.options import MODELS, check_args, model_config, parse_args
     from pith_apps.train import build_model, layout, step_graph, train_step
     from pith_engine.compile import compile_stages
     from pith_engine.data_parallel import add_grads_in_kernels
     from pith_engine.optim import adamw
+    from pith_ops.fp8 import Fp8WeightCache
     with tempfile.TemporaryDirectory() as folder:
         config_file = Path(folder, "config.json")
         config_file.write_text(json.dumps(preset))
         args = parse_args([c["family"], "--config", str(config_file), "--seq-len", str(c["seq"]), "--batch-size",
                            str(c["accum"]), "--micro-batch-size", "1", "--device", c["device"], "--save-every", "0"]
-                          + ([] if c.get("cuda_graph", True) else ["--no-cuda-graph"]))
+                          + ([] if c.get("cuda_graph", True) else ["--no-cuda-graph"]) + (["--fp8"] if c.get("fp8") else []))
         check_args(args)
         cfg, model_cls = model_config(args), MODELS[args.model][1]
     parallel, device = layout(args)
@@ -98,6 +103,8 @@ def pith_setup(c: dict, preset: dict, hf_weights: str | None = None):
     if device.type == "cuda":
         compile_stages(model)
     optimizer = adamw(model, c["lr"], 0.0)
+    if args.fp8:   # as train_on does
+        use_fp8(model, Fp8WeightCache().watch(optimizer))
     graph = step_graph(args, parallel, device, model, optimizer)
 
     def step(number, ids, labels):
@@ -165,7 +172,7 @@ def measure(c: dict) -> dict:
     if cuda:
         row["peak_mem_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
     if c.get("profile"):
-        name = f"profile_{c['side']}_{c['family']}_{c['precision']}_{c['accum']}.txt"
+        name = f"profile_{c['side']}_{c['family']}_{c['precision']}{'_fp8' if c.get('fp8') else ''}_{c['accum']}.txt"
         row["gpu"] = profile_step(lambda: step(len(steps) + 1, *steps[-1]), Path(os.environ.get("OUT", "."), name))
     return row
 
@@ -274,9 +281,9 @@ def configurations(args) -> list[dict]:
     base = dict(layers=args.layers, seq=args.seq, device=args.device, lr=1e-4, profile=args.profile,
                 cuda_graph=args.cuda_graph)
     return [base | dict(side=side, family=family, preset=args.preset or REAL[family], accum=accum, precision=precision,
-                        steps=args.steps or 2 + 6 * -(-8 // accum))
+                        steps=args.steps or 2 + 6 * -(-8 // accum), fp8=fp8)
             for family in args.families for precision in args.precision for accum in args.accum
-            for side in args.sides]
+            for side in args.sides for fp8 in ((False, True) if args.fp8 and side == "pith" else (False,))]
 
 
 def throughput_table(args) -> dict:
@@ -300,11 +307,12 @@ def print_table(rows: list[dict]):
     for r in [r for r in rows if r["side"] == "pith"]:
         theirs = next((t for t in rows if t["side"] == "hf" and all(t.get(k) == r.get(k) for k in
                                                                        ("family", "precision", "accum", "repeat"))), {})
+        precision = r["precision"] + ("+fp8" if r.get("fp8") else "")
         if "error" in r or "error" in theirs:
-            print(f"{r['family']:<12} {r['precision']:<10} {r['accum']:>5}  error: {r.get('error') or theirs['error']}")
+            print(f"{r['family']:<12} {precision:<10} {r['accum']:>5}  error: {r.get('error') or theirs['error']}")
             continue
         speedup = f"{r['tok_s'] / theirs['tok_s']:>6.2f}x" if theirs else "      -"
-        print(f"{r['family']:<12} {r['precision']:<10} {r['accum']:>5} {r['repeat']:>6}  {r['tok_s']:>10,} "
+        print(f"{r['family']:<12} {precision:<10} {r['accum']:>5} {r['repeat']:>6}  {r['tok_s']:>10,} "
               f"{format(theirs['tok_s'], ',') if theirs else '-':>10}  {speedup}  {r['mfu_pct']:>7}%  {theirs.get('mfu_pct', '-'):>5}%"
               f"  {r.get('peak_mem_gib', '-'):>8}  {theirs.get('peak_mem_gib', '-'):>6}")
 
@@ -330,6 +338,27 @@ def parity(args) -> dict:
                 row |= {f"{name}init_gap_pct": round(100 * gaps[0], 3), f"{name}max_gap_pct": round(100 * max(gaps), 3)}
         rows.append(row)
         print(json.dumps(row), flush=True)
+    return dict(rows=rows)
+
+
+def fp8_convergence(args) -> dict:
+    """Per family: the app's step (mixed precision) with and without --fp8 from the same initial weights on the same
+    corpus batches (byte tokens), args.steps steps (default 300) at args.lr, each run in its own process; the gap of
+    the mean loss of the last 10 steps."""
+    rows = []
+    for family in args.families:
+        base = dict(side="pith", family=family, preset=args.preset or REAL[family], layers=args.layers, seq=args.seq,
+                    steps=args.steps or 300, accum=args.accum[0], device=args.device, lr=args.lr, precision="mixed",
+                    corpus=True)
+        runs = {name: isolated(base | dict(fp8=name == "fp8")) for name in ("bf16", "fp8")}
+        row = dict(base, **{name: run.get("losses") or run.get("error") for name, run in runs.items()})
+        if all("losses" in run for run in runs.values()):
+            ends = {name: sum(run["losses"][-10:]) / 10 for name, run in runs.items()}
+            row |= dict(end_bf16=round(ends["bf16"], 4), end_fp8=round(ends["fp8"], 4),
+                        end_gap_pct=round(100 * abs(ends["fp8"] - ends["bf16"]) / ends["bf16"], 3),
+                        tok_s=dict(bf16=runs["bf16"]["tok_s"], fp8=runs["fp8"]["tok_s"]))
+        print(json.dumps({k: v for k, v in row.items() if k not in ("bf16", "fp8")}), flush=True)
+        rows.append(row)
     return dict(rows=rows)
 
 
@@ -373,15 +402,21 @@ def main():
     parser.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false", help="our steps eagerly, as "
                         "the app's --no-cuda-graph (default: replayed as one CUDA graph, as the app does on one GPU)")
     parser.add_argument("--parity", action="store_true")
-    parser.add_argument("--lr", type=float, default=1e-4, help="the parity runs' learning rate (default 1e-4)")
+    parser.add_argument("--lr", type=float, default=1e-4, help="the parity and FP8 convergence runs' "
+                        "learning rate (default 1e-4)")
     parser.add_argument("--sdpa-check", action="store_true")
+    parser.add_argument("--fp8", action="store_true", help="each of our configurations also with the app's --fp8")
+    parser.add_argument("--fp8-convergence", action="store_true", help="our loss over --steps (default 300) corpus "
+                        "steps at --lr with and without --fp8")
     parser.add_argument("--grads", action="store_true", help="gradients, tensor by tensor, against transformers'")
     args = parser.parse_args()
     if args.one:
         print(json.dumps(measure(json.loads(args.one))))
         return
     name, result = (("parity", parity(args)) if args.parity else ("sdpa_check", sdpa_check(args)) if args.sdpa_check
-                    else ("grads", grads_check(args)) if args.grads else ("train_throughput", throughput_table(args)))
+                    else ("grads", grads_check(args)) if args.grads
+                    else ("fp8_convergence", fp8_convergence(args)) if args.fp8_convergence
+                    else ("train_throughput", throughput_table(args)))
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], f"{name}.json").write_text(json.dumps(result, indent=1))
 

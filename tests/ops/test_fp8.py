@@ -6,7 +6,8 @@ import torch
 from conftest import KERNEL_DEVICE, relative_error
 from pith_ops.grouped_gemm import grouped_linear, grouped_linear_reference
 from pith_ops.fp8 import (BLOCK, E4M3_MAX, Fp8WeightCache, dequantize, fp8_linear, power_of_two_scales, quantize_blocks,
-                          quantize_blocks_reference, quantize_columns, quantize_rows, quantize_rows_reference)
+                          quantize_blocks_reference, quantize_columns, quantize_rows, quantize_rows_reference,
+                          transposed)
 
 
 def sample(rows, cols, seed=0):
@@ -41,7 +42,7 @@ def test_the_reference_blocks_round_trip_within_e4m3s_precision(shape):
         assert bool((top[top > 0] > E4M3_MAX / 2).all())
 
 
-@pytest.mark.parametrize("shape", [(64, 256), (37, 300), (130, 129)])
+@pytest.mark.parametrize("shape", [(64, 256), (37, 300), (130, 129), (320, 256)])
 def test_the_quantize_kernels_are_the_reference(shape):
     """Rows (1 x 128 blocks), columns (1 x 128 blocks of the transpose, written transposed) and 128 x 128 blocks,
     shapes that are and are not whole blocks: the same scales and e4m3 values exactly (ties to even: bf16 inputs
@@ -55,6 +56,14 @@ def test_the_quantize_kernels_are_the_reference(shape):
         expected_q, expected_scales = reference(source.float())
         assert q.shape == source.shape and q.is_contiguous() and q.dtype == torch.float8_e4m3fn
         assert torch.equal(scales, expected_scales) and torch.equal(q.float(), expected_q.float())
+    stack = torch.stack([x, sample(*shape, seed=2)])   # and with the transposed, in one pass, from fp32 weights too
+    expected = quantize_blocks_reference(stack.float())
+    for weights in (stack, x.float()[None]):
+        made = quantize_blocks(weights.to(KERNEL_DEVICE), both=True)
+        for got, wanted in zip(made, (expected, transposed(expected))):
+            assert got[0].is_contiguous() and got[1].is_contiguous()
+            assert torch.equal(got[0].cpu().float(), wanted[0][:len(weights)].float())
+            assert torch.equal(got[1].cpu(), wanted[1][:len(weights)])
 
 
 def quantized_reference(x, w, g):
@@ -111,17 +120,18 @@ def test_the_weight_cache_quantizes_each_weight_once_per_step_and_never_serves_a
     assert torch.equal(after, fp8_linear(x, weights[0], Fp8WeightCache()))
 
 
-@pytest.mark.parametrize("kernel", [False, True])
-def test_fp8_expert_gemms_are_the_gemms_of_their_dequantized_operands(kernel):
+@pytest.mark.parametrize("kernel,k", [(False, 160), (True, 160), (True, 256)])
+def test_fp8_expert_gemms_are_the_gemms_of_their_dequantized_operands(kernel, k):
     """grouped_linear with an Fp8WeightCache: forward and input gradient against fp32 GEMMs of each expert's
     dequantized blocks (within 5e-3 relative) and the unquantized ones (within 5e-2); experts with no rows, sizes
-    not a multiple of 128 (K = 160, N = 200); the weight gradient is the bf16 path's, exactly. kernel: the Triton
-    kernel (the interpreter on CPU), else the emulation."""
+    not a multiple of 128 (N = 200, K = 160) and K a multiple of it (256: the kernel's loads unmasked along K); the
+    weight gradient is the bf16 path's, exactly. kernel: the Triton kernel (the interpreter on CPU), else the
+    emulation."""
     torch.manual_seed(6)
     device = KERNEL_DEVICE if kernel else "cpu"
     counts = torch.tensor([70, 0, 3, 130], device=device)
-    x = torch.randn(int(counts.sum()), 160, device=device).bfloat16().requires_grad_()
-    weight = torch.nn.Parameter(torch.randn(4, 200, 160, device=device).bfloat16() / 8)
+    x = torch.randn(int(counts.sum()), k, device=device).bfloat16().requires_grad_()
+    weight = torch.nn.Parameter(torch.randn(4, 200, k, device=device).bfloat16() / 8)
     g = torch.randn(x.shape[0], 200, device=device).bfloat16()
     out = grouped_linear(x, weight, counts, use_triton=kernel, fp8=Fp8WeightCache())
     out.backward(g)

@@ -15,6 +15,7 @@ from pith_apps.models.gpt_oss import GptOssConfig, GptOssForCausalLM
 from pith_apps.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from pith_engine.moe import BALANCE_MODES
 from pith_engine.optim import SCHEDULES
+from pith_ops.fp8 import fp8_missing
 
 MODELS = {"qwen3": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
           "deepseek_v2": (DeepseekV2Config, DeepseekV2ForCausalLM),
@@ -79,6 +80,11 @@ def build_parser() -> argparse.ArgumentParser:
         "or cuda:N (default: cuda when torch sees a GPU, else cpu).")
     add("--dtype", choices=DTYPES, help="The compute dtype; weights, gradients and optimizer state are always "
         "float32 (default: bfloat16 on CUDA, float32 on CPU).")
+    add("--fp8", action="store_true", help="Compute the experts' GEMMs (forward and input gradient) and the decoder "
+        "layers' dense linears in FP8 (e4m3 in 1x128 and 128x128 blocks), each weight quantized once per step; the "
+        "routers, LM head, norms and attention stay in the compute dtype, the weights float32. The dense linears of "
+        "compiled stages (--compile) stay in the compute dtype. Needs compute capability 9.0+ (H100, H200); "
+        "emulated, slowly, on CPU.")
     add("--compile", action=argparse.BooleanOptionalAction, help="Compile the dense stages with torch.compile "
         "(default: on for CUDA, off on CPU, where it costs minutes).")
     add("--cuda-graph", action=argparse.BooleanOptionalAction, help="After the first 2 steps, capture the training "
@@ -188,6 +194,9 @@ def check_args(args):
     require(args.chunk_layers is None or re.fullmatch(r"\d+(,\d+)*", args.chunk_layers) and args.pp > 1,
             f"--chunk-layers={args.chunk_layers!r} must be comma-separated layer counts (e.g. 2,3,3,2), with --pp > 1 "
             f"(here --pp {args.pp})")
+    if args.fp8:
+        missing = fp8_missing(torch.device(args.device))
+        require(missing is None, f"--fp8 cannot run here: {missing}; drop --fp8")
     processes = args.dp * args.ep * args.pp * args.cp
     require(not args.cuda_graph or (args.device != "cpu" and processes == 1), f"--cuda-graph needs CUDA and one "
             f"process (here --device {args.device}, {processes} processes); leave it out or use --no-cuda-graph")

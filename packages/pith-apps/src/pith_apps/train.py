@@ -23,6 +23,7 @@ import torch.distributed as dist
 from pith_apps.config import ConfigError, flops_per_token, require
 from pith_apps.data import (ByteTokenizer, HFTokenizer, batch_at, document_ids, held_out_batch, split_held_out,
                             token_store)
+from pith_apps.models.layers import use_fp8
 from pith_apps.options import (DTYPES, MODELS, check_args, hf_config_data, model_config, parse_args,
                                run_config_text)
 from pith_apps.run_log import RunLog
@@ -36,6 +37,7 @@ from pith_engine.data_parallel import (drop_compute_copies, grad_norm, local_par
 from pith_engine.moe import update_expert_bias
 from pith_engine.optim import adamw, clipped_step, lr_at
 from pith_engine.parallel import LayoutError, Parallel
+from pith_ops.fp8 import Fp8WeightCache
 
 def train(args) -> list[float]:
     """Run the training loop; returns the loss of every step run (the same on every rank)."""
@@ -177,6 +179,8 @@ def train_on(args, cfg, parallel: Parallel, device: torch.device, data, folder, 
     if args.compile if args.compile is not None else device.type == "cuda" and parallel.cp == 1:
         compile_stages(model)
     optimizer = adamw(model, args.lr, args.weight_decay)
+    if args.fp8:
+        use_fp8(model, Fp8WeightCache().watch(optimizer))
     graph = step_graph(args, parallel, device, model, optimizer)
     if args.save_every:
         size = checkpoint_bytes(model, parallel)

@@ -26,6 +26,16 @@ from pith_ops.grouped_gemm import (add_into_grad, expert_strides, grouped_linear
 
 E4M3_MAX = 448.0
 BLOCK = 128
+FP8_CAPABILITY = (9, 0)   # block-wise scaled_mm runs from Hopper on
+
+
+def fp8_missing(device: torch.device) -> str | None:
+    """None where these FP8 GEMMs run on `device` (a CPU emulates them), else why not, in one line."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) >= FP8_CAPABILITY:
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    return (f"{torch.cuda.get_device_name(device)} (compute capability {major}.{minor}) has no block-scaled FP8 "
+            f"GEMMs; they need compute capability {FP8_CAPABILITY[0]}.{FP8_CAPABILITY[1]} or newer (H100, H200)")
 
 
 @triton.jit
@@ -80,45 +90,64 @@ def _quantize_columns_kernel(x_ptr, q_ptr, s_ptr, rows, cols, BK: tl.constexpr, 
 
 
 @triton.jit
-def _quantize_blocks_kernel(x_ptr, q_ptr, s_ptr, rows, cols, BN: tl.constexpr, BK: tl.constexpr):
-    """One BN x BK block of matrix program_id(2) (an expert's), one scale."""
+def _quantize_blocks_kernel(x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, rows, cols, BN: tl.constexpr, BK: tl.constexpr,
+                            BOTH: tl.constexpr):
+    """One BN x BK block of matrix program_id(2) (an expert's), one scale; BOTH: also written transposed, into
+    qt [cols, rows] and st [col blocks, row blocks] of that matrix."""
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     k = tl.program_id(1) * BK + tl.arange(0, BK)
     inside = (n[:, None] < rows) & (k[None, :] < cols)
-    offsets = tl.program_id(2).to(tl.int64) * rows * cols + n[:, None].to(tl.int64) * cols + k[None, :]
-    x = tl.load(x_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
+    matrix = tl.program_id(2).to(tl.int64) * rows * cols
+    x = tl.load(x_ptr + matrix + n[:, None].to(tl.int64) * cols + k[None, :], mask=inside, other=0.0).to(tl.float32)
     scale = _scale_of(tl.max(tl.max(tl.abs(x), axis=1), axis=0))
-    tl.store(q_ptr + offsets, _round_to_e4m3(x / scale).to(q_ptr.dtype.element_ty), mask=inside)
+    rounded = _round_to_e4m3(x / scale)
+    tl.store(q_ptr + matrix + n[:, None].to(tl.int64) * cols + k[None, :], rounded.to(q_ptr.dtype.element_ty),
+             mask=inside)
     blocks = tl.num_programs(0) * tl.num_programs(1)
     tl.store(s_ptr + tl.program_id(2) * blocks + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), scale)
+    if BOTH:
+        # transposed in bf16 (exact for e4m3 values): an e4m3 tile transposed from fp32 loads came out scrambled on
+        # the H200 (triton 3.6)
+        q_t = tl.trans(rounded.to(tl.bfloat16)).to(qt_ptr.dtype.element_ty)
+        tl.store(qt_ptr + matrix + k[:, None].to(tl.int64) * rows + n[None, :], q_t, mask=tl.trans(inside))
+        tl.store(st_ptr + tl.program_id(2) * blocks + tl.program_id(1) * tl.num_programs(0) + tl.program_id(0), scale)
 
 
 @triton.jit
 def _fp8_rows_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, out_ptr, offs_ptr, tile_expert_ptr, tile_first_ptr, n_cols, k_dim,
                      stride_be, stride_bk, stride_bn, scale_e, scale_k, scale_n, BM: tl.constexpr, BN: tl.constexpr,
-                     BK: tl.constexpr):
+                     BK: tl.constexpr, EVEN_K: tl.constexpr):
     """out[rows of e] = a[rows of e] @ B_e in FP8: a in 1 x BK blocks (scales sa [rows, k blocks]), B_e in BK x BN
     blocks (scale of k block i, n block j at sb + e * scale_e + i * scale_k + j * scale_n); each block's product
-    summed in fp32 by the tensor cores, then scaled and added (BN = BK = the blocks' 128)."""
-    tile = tl.program_id(0)
+    summed in fp32 by the tensor cores, then scaled and added (BN = BK = the blocks' 128). Program p computes row
+    tile p // column tiles, column tile p % column tiles: the programs running together share a few row tiles
+    (read from L2, not again from memory for each column tile) and their expert's weight."""
+    col_tiles = tl.cdiv(n_cols, BN)
+    tile, col_tile = tl.program_id(0) // col_tiles, tl.program_id(0) % col_tiles
     expert = tl.load(tile_expert_ptr + tile)
     row_end = tl.load(offs_ptr + expert)
     row_start = tl.load(offs_ptr + expert - 1, mask=expert > 0, other=0)
     first_row = row_start + (tile - tl.load(tile_first_ptr + expert)) * BM
     if first_row >= row_end:
         return
-    rows, cols = first_row + tl.arange(0, BM), tl.program_id(1) * BN + tl.arange(0, BN)
+    rows, cols = first_row + tl.arange(0, BM), col_tile * BN + tl.arange(0, BN)
+    a_ptrs = a_ptr + rows[:, None].to(tl.int64) * k_dim + tl.arange(0, BK)[None, :]
+    b_ptrs = b_ptr + expert.to(tl.int64) * stride_be + tl.arange(0, BK)[:, None] * stride_bk + cols[None, :] * stride_bn
     k_blocks = tl.cdiv(k_dim, BK)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for kb in range(0, k_blocks):
         ks = kb * BK + tl.arange(0, BK)
-        a = tl.load(a_ptr + rows[:, None].to(tl.int64) * k_dim + ks[None, :],
-                    mask=(rows[:, None] < row_end) & (ks[None, :] < k_dim), other=0.0)
-        b = tl.load(b_ptr + expert.to(tl.int64) * stride_be + ks[:, None] * stride_bk + cols[None, :] * stride_bn,
-                    mask=(ks[:, None] < k_dim) & (cols[None, :] < n_cols), other=0.0)
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=rows[:, None] < row_end, other=0.0)
+            b = tl.load(b_ptrs, mask=cols[None, :] < n_cols, other=0.0)
+        else:
+            a = tl.load(a_ptrs, mask=(rows[:, None] < row_end) & (ks[None, :] < k_dim), other=0.0)
+            b = tl.load(b_ptrs, mask=(ks[:, None] < k_dim) & (cols[None, :] < n_cols), other=0.0)
         row_scales = tl.load(sa_ptr + rows.to(tl.int64) * k_blocks + kb, mask=rows < row_end, other=0.0)
-        block_scale = tl.load(sb_ptr + expert * scale_e + kb * scale_k + tl.program_id(1) * scale_n)
+        block_scale = tl.load(sb_ptr + expert * scale_e + kb * scale_k + col_tile * scale_n)
         acc += tl.dot(a, b) * (row_scales[:, None] * block_scale)
+        a_ptrs += BK
+        b_ptrs += BK * stride_bk
     tl.store(out_ptr + rows[:, None].to(tl.int64) * n_cols + cols[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=(rows[:, None] < row_end) & (cols[None, :] < n_cols))
 
@@ -146,14 +175,18 @@ def quantize_columns(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scales
 
 
-def quantize_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_blocks(w: torch.Tensor, both: bool = False) -> tuple:
     """w [N, K] -> q [N, K] e4m3, scales [ceil(N / 128), ceil(K / 128)]: 128 x 128 blocks; w [E, N, K] (a stack
-    of experts' weights) -> each expert's blocks, scales [E, ceil(N / 128), ceil(K / 128)]."""
+    of experts' weights) -> each expert's blocks, scales [E, ceil(N / 128), ceil(K / 128)]. both: -> (those, the
+    same of w.T: `transposed` of them), written in the same pass."""
     w = w.contiguous()
     (rows, cols), grid = w.shape[-2:], (triton.cdiv(w.shape[-2], BLOCK), triton.cdiv(w.shape[-1], BLOCK))
     q, scales = torch.empty_like(w, dtype=torch.float8_e4m3fn), _empty(w, *w.shape[:-2], *grid, dtype=torch.float32)
-    _quantize_blocks_kernel[(*grid, w[..., 0, 0].numel())](w, q, scales, rows, cols, BN=BLOCK, BK=BLOCK)
-    return q, scales
+    q_t, scales_t = (_empty(w, *w.shape[:-2], cols, rows, dtype=torch.float8_e4m3fn),
+                     _empty(w, *w.shape[:-2], *grid[::-1], dtype=torch.float32)) if both else (q, scales)
+    _quantize_blocks_kernel[(*grid, w[..., 0, 0].numel())](w, q, scales, q_t, scales_t, rows, cols, BN=BLOCK, BK=BLOCK,
+                                                             BOTH=both)
+    return ((q, scales), (q_t, scales_t)) if both else (q, scales)
 
 
 def power_of_two_scales(amax: torch.Tensor) -> torch.Tensor:
@@ -231,7 +264,8 @@ class Fp8WeightCache:
     the weight's first use after an optimizer step and served to every micro-batch of the step and its backward.
     `new_step` (which the hook of `watch` runs before each optimizer step) drops them all: they are freed before
     the optimizer runs and never served after it. An in-place change between steps (a load) is seen through the
-    weight's version counter."""
+    weight's version counter. A compute copy (a bf16 copy naming its fp32 master as `grad_into`, made anew for each
+    forward) is known by its master, whose version and storage say whether the copy's values changed."""
 
     def __init__(self):
         self.copies, self.quantized = {}, 0   # quantized: how many weights were quantized, for tests and logs
@@ -244,13 +278,17 @@ class Fp8WeightCache:
         self.copies.clear()
 
     def blocks(self, weight: torch.Tensor, transpose: bool = False) -> tuple:
-        """quantize_blocks(weight), or its transposed."""
-        state = (weight._version, weight.data_ptr())
-        known = self.copies.get(id(weight))
+        """quantize_blocks(weight), or its transposed. On CUDA both are made at once, by one pass over the weight:
+        a training step's backward reads the transposed (a copy of the e4m3 blocks by torch took the H200 13.5 ms
+        per Qwen3-30B-A3B 4-layer step)."""
+        source = getattr(weight, "grad_into", weight)
+        state = (source._version, source.data_ptr())
+        known = self.copies.get(id(source))
         if known is None or known[0] != state:
             with torch.no_grad():
-                quantized = quantize_blocks(weight) if weight.is_cuda else quantize_blocks_reference(weight)
-            known = self.copies[id(weight)] = (state, {False: quantized})
+                made = (quantize_blocks(weight, both=True) if weight.is_cuda else
+                        (quantize_blocks_reference(weight),))
+            known = self.copies[id(source)] = (state, dict(zip((False, True), made)))
             self.quantized += 1
         if transpose not in known[1]:
             known[1][transpose] = transposed(known[1][False])
@@ -302,7 +340,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, cache: Fp8WeightCache, wgr
     return _Fp8Linear.apply(x, weight, cache, wgrad_queue)
 
 
-FP8_LAUNCH = dict(BM=64)   # of 6 tile / warp / stage choices on the H200 the fastest or within 3% (bench/RESULTS.md)
+# 64-row tiles, 4 warps, 3 stages: of 13 tile / warp / stage / scale-layout choices on the H200 the fastest or within
+# 2% at the six expert shapes (bench/RESULTS.md)
+FP8_LAUNCH = dict(BM=64, num_warps=4, num_stages=3)
 
 
 def fp8_grouped_rows(a: torch.Tensor, weight_blocks: tuple, offs, kernel: bool, **launch) -> torch.Tensor:
@@ -318,8 +358,9 @@ def fp8_grouped_rows(a: torch.Tensor, weight_blocks: tuple, offs, kernel: bool, 
     launch = FP8_LAUNCH | launch
     tile_expert, tile_first, max_tiles = row_tiles(offs, a.shape[0], launch["BM"])
     out = a.new_empty(a.shape[0], w_q.shape[1])
-    _fp8_rows_kernel[(max_tiles, triton.cdiv(w_q.shape[1], BLOCK))](
+    _fp8_rows_kernel[(max_tiles * triton.cdiv(w_q.shape[1], BLOCK),)](
         a_q, a_scales, w_q, w_scales, out, offs, tile_expert, tile_first, w_q.shape[1], a.shape[1],
-        *expert_strides(w_q, True), *expert_strides(w_scales, True), BN=BLOCK, BK=BLOCK, **launch)
+        *expert_strides(w_q, True), *expert_strides(w_scales, True), BN=BLOCK, BK=BLOCK,
+        EVEN_K=a.shape[1] % BLOCK == 0, **launch)
     return out
 

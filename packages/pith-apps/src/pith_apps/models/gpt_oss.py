@@ -206,11 +206,12 @@ class GptOssExperts(LocalExperts):
         self.down_proj_bias = nn.Parameter(torch.zeros(experts, hidden))
 
     def forward(self, x, tokens_per_expert):
-        gate_up = grouped_bias_add(grouped_linear(x, self.gate_up_proj, tokens_per_expert, self.wgrad_queue, self.wgrad_pairs),
-                                   self.gate_up_proj_bias, tokens_per_expert)
-        hidden = clamped_swiglu(gate_up, self.alpha, self.limit)
-        return grouped_bias_add(grouped_linear(hidden, self.down_proj, tokens_per_expert, self.wgrad_queue, self.wgrad_pairs),
-                                self.down_proj_bias, tokens_per_expert)
+        gate_up = grouped_linear(x, self.gate_up_proj, tokens_per_expert, self.wgrad_queue, self.wgrad_pairs,
+                                 fp8=self.fp8)
+        hidden = clamped_swiglu(grouped_bias_add(gate_up, self.gate_up_proj_bias, tokens_per_expert), self.alpha,
+                                self.limit)
+        down = grouped_linear(hidden, self.down_proj, tokens_per_expert, self.wgrad_queue, self.wgrad_pairs, fp8=self.fp8)
+        return grouped_bias_add(down, self.down_proj_bias, tokens_per_expert)
 
     def hf_views(self, prefix: str):
         """The files hold all experts' weights stacked as [E, in, out] (gate/up still interleaved): transposed

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pith_ops.cross_entropy import linear_cross_entropy
+from pith_ops.fp8 import fp8_linear
 from pith_ops.grouped_gemm import deferred_linear, grouped_linear
 from pith_ops.swiglu import swiglu
 from pith_engine.context_parallel import ring_attention, zigzag_positions
@@ -154,14 +155,15 @@ class LocalExperts(nn.Module):
     """Experts module base: this rank holds experts first_expert .. first_expert + local_experts - 1 of
     num_experts, the expert-parallel group's share (all of them on one process). wgrad_pairs: the
     grouped_linear weight-gradient pairing of micro-batches (pith_engine.data_parallel.pair_expert_wgrads);
-    wgrad_queue: where the weight gradients go to be run later (pith_engine.dualpipev.DeferredWeightGrads)."""
+    wgrad_queue: where the weight gradients go to be run later (pith_engine.dualpipev.DeferredWeightGrads);
+    fp8: the run's pith_ops.fp8.Fp8WeightCache under --fp8 (use_fp8), else None."""
 
     def __init__(self, num_experts: int, parallel: Parallel):
         super().__init__()
         self.local_experts = num_experts // parallel.ep
         self.first_expert = parallel.coords["ep"] * self.local_experts
         self.parallel = parallel
-        self.wgrad_pairs = self.wgrad_queue = None
+        self.wgrad_pairs = self.wgrad_queue = self.fp8 = None
 
     @functools.cached_property
     def ep_group(self):
@@ -181,8 +183,10 @@ class SwiGLUExperts(LocalExperts):
         self.down_proj = nn.Parameter(torch.empty(self.local_experts, hidden, inter))
 
     def forward(self, x, tokens_per_expert):
-        gate_up = grouped_linear(x, self.gate_up_proj, tokens_per_expert, self.wgrad_queue, self.wgrad_pairs)
-        return grouped_linear(swiglu(gate_up), self.down_proj, tokens_per_expert, self.wgrad_queue, self.wgrad_pairs)
+        gate_up = grouped_linear(x, self.gate_up_proj, tokens_per_expert, self.wgrad_queue, self.wgrad_pairs,
+                                 fp8=self.fp8)
+        return grouped_linear(swiglu(gate_up), self.down_proj, tokens_per_expert, self.wgrad_queue, self.wgrad_pairs,
+                              fp8=self.fp8)
 
     def hf_views(self, prefix: str):
         """(Hugging Face name, view of our parameter) for each expert's gate/up/down weight."""
@@ -195,14 +199,27 @@ class SwiGLUExperts(LocalExperts):
 
 class Linear(nn.Linear):
     """nn.Linear whose weight gradient a pipeline can defer: given a wgrad_queue (pith_engine.dualpipev's), the
-    backward computes the input gradient and queues the weight's (deferred_linear). Not inside torch.compile,
-    whose backward is one graph: there the weight gradient is computed with the input's."""
-    wgrad_queue = None
+    backward computes the input gradient and queues the weight's (deferred_linear). Given an Fp8WeightCache
+    (`fp8`, use_fp8), its GEMMs run in FP8 (fp8_linear). Neither inside torch.compile, whose backward is one graph
+    (a closure cannot be queued from it) and whose graphs do not call fp8_linear: there it is nn.Linear."""
+    wgrad_queue = fp8 = None
 
     def forward(self, x):
-        if self.wgrad_queue is None or torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or (self.wgrad_queue is None and self.fp8 is None):
             return super().forward(x)
-        return deferred_linear(x, self.weight, self.bias, self.wgrad_queue)
+        if self.fp8 is None:
+            return deferred_linear(x, self.weight, self.bias, self.wgrad_queue)
+        out = fp8_linear(x, self.weight, self.fp8, self.wgrad_queue)
+        return out if self.bias is None else out + self.bias
+
+
+def use_fp8(model: nn.Module, cache) -> list[nn.Module]:
+    """--fp8: the dense linears of the decoder layers (Linear: not the routers or the LM head) and the experts'
+    GEMMs compute through `cache` (a pith_ops.fp8.Fp8WeightCache, watching the optimizer); the modules set."""
+    modules = [m for layer in model.layers.values() for m in layer.modules() if isinstance(m, (Linear, LocalExperts))]
+    for module in modules:
+        module.fp8 = cache
+    return modules
 
 
 class Embedding(nn.Embedding):
