@@ -11,8 +11,7 @@ from conftest import relative_error
 from pith_apps.models.layers import Linear, LocalExperts, use_fp8
 from pith_apps.config import read_json
 from pith_apps.data import DEFAULT_CORPUS, ByteTokenizer, batch_at
-from pith_apps.options import MODELS, PRESETS, model_config
-from pith_engine.compile import compile_stages
+from pith_apps.options import MODELS, PRESETS
 from pith_engine.data_parallel import shard_model
 from pith_engine.optim import adamw, lr_at
 from pith_engine.parallel import Parallel
@@ -86,28 +85,16 @@ def test_fp8_on_a_gpu_without_fp8_gemms_is_refused_in_one_line(tmp_path, capsys,
 
 
 def gpu_losses(family: str, flags: list[str]) -> list[float]:
-    """train_on's steps without its data store and log (the device machine has neither datasets nor tensorboard):
-    the app's model, compiled stages, optimizer, FP8 cache and CUDA graph, on the bundled corpus in byte tokens."""
+    """train_on's steps without its data store and log (the device machine has neither datasets nor tensorboard),
+    on the bundled corpus in byte tokens."""
     args = train_app.parse_args([family, *QUICK, "--device", "cuda", *flags])
-    train_app.check_args(args)
     stream = torch.tensor(ByteTokenizer().encode(DEFAULT_CORPUS.read_text()))
-    parallel, device = train_app.layout(args)
-    model = train_app.build_model(MODELS[family][1], model_config(args), parallel, device, torch.bfloat16, args.seed,
-                                  args.seq_len)
-    if args.compile is not False:
-        compile_stages(model)
-    optimizer = adamw(model, args.lr, args.weight_decay)
-    if args.fp8:
-        use_fp8(model, Fp8WeightCache().watch(optimizer))
-    graph = train_app.step_graph(args, parallel, device, model, optimizer)
+    model, optimizer, step = train_app.one_process_step(args)
     losses = []
-    for step in range(args.steps):
+    for number in range(args.steps):
         for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, args.lr, args.warmup, args.steps, args.schedule)
-        ids, labels = batch_at(stream, step, args.seed, args.batch_size, args.seq_len)
-        losses.append(train_app.train_step(args, parallel, device, model, optimizer, step + 1, ids, labels, False,
-                                           graph)[0])
-    assert graph.graph is not None
+            group["lr"] = lr_at(number, args.lr, args.warmup, args.steps, args.schedule)
+        losses.append(step(number + 1, *batch_at(stream, number, args.seed, args.batch_size, args.seq_len))[0])
     return losses
 
 

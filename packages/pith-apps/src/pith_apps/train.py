@@ -43,16 +43,8 @@ def train(args) -> list[float]:
     """Run the training loop; returns the loss of every step run (the same on every rank)."""
     check_args(args)
     cfg = model_config(args)
-    own = args.init if args.init and Path(args.init, "tokenizer.json").is_file() else None
-    args.tokenizer = args.tokenizer or own   # resolved: the export copies its files
-    tokenizer = HFTokenizer(args.tokenizer) if args.tokenizer else ByteTokenizer()
-    args.eos_id = tokenizer.eos_id   # for --doc-mask
-    require(cfg.vocab_size >= tokenizer.vocab_size, f"the tokenizer ({args.tokenizer or 'bytes'}) has "
-            f"{tokenizer.vocab_size} tokens, more than the model's vocab_size={cfg.vocab_size}; give a config "
-            f"with vocab_size >= {tokenizer.vocab_size} or the model's own tokenizer")
     lead = int(os.environ.get("RANK", "0")) == 0   # the process group is not joined yet
-    stream = token_store(args.data, tokenizer, args.text_field, args.data_cache, args.data_workers,
-                         log=print if lead and not args.quiet else lambda line: None)
+    stream = training_tokens(args, cfg, log=print if lead and not args.quiet else lambda line: None)
     stream, held_out = split_held_out(stream, args.eval_batches if args.eval_every else 0, args.batch_size, args.seq_len)
     joined = join_processes(args)
     from pith_apps.run_folder import RunFolder   # heavy import (DCP, DTensor: ~0.8 s): only when training
@@ -66,6 +58,19 @@ def train(args) -> list[float]:
         folder.release()
         if joined:
             dist.destroy_process_group()
+
+
+def training_tokens(args, cfg, log=lambda line: None):
+    """The token stream of --data (tokenized once into --data-cache) by the run's tokenizer, which this resolves
+    into args.tokenizer (the --init folder's own when it has one) and args.eos_id (for --doc-mask)."""
+    own = args.init if args.init and Path(args.init, "tokenizer.json").is_file() else None
+    args.tokenizer = args.tokenizer or own   # resolved: the export copies its files
+    tokenizer = HFTokenizer(args.tokenizer) if args.tokenizer else ByteTokenizer()
+    args.eos_id = tokenizer.eos_id
+    require(cfg.vocab_size >= tokenizer.vocab_size, f"the tokenizer ({args.tokenizer or 'bytes'}) has "
+            f"{tokenizer.vocab_size} tokens, more than the model's vocab_size={cfg.vocab_size}; give a config "
+            f"with vocab_size >= {tokenizer.vocab_size} or the model's own tokenizer")
+    return token_store(args.data, tokenizer, args.text_field, args.data_cache, args.data_workers, log=log)
 
 
 def config_dict(cfg) -> dict:
@@ -141,6 +146,27 @@ def build_model(model_cls, cfg, parallel: Parallel, device: torch.device, dtype:
     model.to_empty(device=device)
     model.init_weights(seed)
     return model
+
+
+def one_process_step(args):
+    """train_on's model, optimizer and step on one process, without its data store, log or checkpoints (for the
+    skills' scripts and tests that drive steps themselves): -> (model, optimizer, step), where step(number,
+    input_ids, labels) runs train_step at the optimizer's current learning rate."""
+    check_args(args)
+    parallel, device = layout(args)
+    require(parallel.world == 1, f"one process only here, not {parallel.world}: leave out --dp, --ep, --pp and --cp")
+    micro_batches = args.batch_size // micro_batch_size(args, parallel)
+    dtype = DTYPES[args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
+    model = build_model(MODELS[args.model][1], model_config(args), parallel, device, dtype, args.seed, args.seq_len,
+                        args.balance, micro_batches)
+    if args.compile if args.compile is not None else device.type == "cuda":
+        compile_stages(model)
+    optimizer = adamw(model, args.lr, args.weight_decay)
+    if args.fp8:
+        use_fp8(model, Fp8WeightCache().watch(optimizer))
+    graph = step_graph(args, parallel, device, model, optimizer)
+    return model, optimizer, functools.partial(train_step, args, parallel, device, model, optimizer, stop_asked=False,
+                                               graph=graph)
 
 
 def micro_batch_size(args, parallel: Parallel) -> int:
