@@ -73,20 +73,18 @@ def batches(count: int, rows: int, seq: int, vocab: int, corpus: bool):
 
 
 def pith_setup(c: dict, preset: dict, hf_weights: str | None = None):
-    """The app's model, optimizer and step function for configuration c."""
+    """The app's model and step function for configuration c (compiled, AdamW, FP8 and CUDA graph as the app
+    prepares them: prepare_step)."""
     import torch
-    from pith_apps.models.layers import use_fp8
     from pith_apps.options import MODELS, check_args, model_config, parse_args
-    from pith_apps.train import build_model, layout, step_graph, train_step
-    from pith_engine.compile import compile_stages
+    from pith_apps.train import build_model, layout, prepare_step, train_step
     from pith_engine.data_parallel import add_grads_in_kernels
-    from pith_engine.optim import adamw
-    from pith_ops.fp8 import Fp8WeightCache
     with tempfile.TemporaryDirectory() as folder:
         config_file = Path(folder, "config.json")
         config_file.write_text(json.dumps(preset))
         args = parse_args([c["family"], "--config", str(config_file), "--seq-len", str(c["seq"]), "--batch-size",
-                           str(c["accum"]), "--micro-batch-size", "1", "--device", c["device"], "--save-every", "0"]
+                           str(c["accum"]), "--micro-batch-size", "1", "--device", c["device"], "--save-every", "0",
+                           "--lr", str(c["lr"]), "--weight-decay", "0"]
                           + ([] if c.get("cuda_graph", True) else ["--no-cuda-graph"]) + (["--fp8"] if c.get("fp8") else []))
         check_args(args)
         cfg, model_cls = model_config(args), MODELS[args.model][1]
@@ -100,12 +98,7 @@ def pith_setup(c: dict, preset: dict, hf_weights: str | None = None):
     if hf_weights:
         from pith_apps.hf_checkpoint import load_hf_weights
         load_hf_weights(model, hf_weights)
-    if device.type == "cuda":
-        compile_stages(model)
-    optimizer = adamw(model, c["lr"], 0.0)
-    if args.fp8:   # as train_on does
-        use_fp8(model, Fp8WeightCache().watch(optimizer))
-    graph = step_graph(args, parallel, device, model, optimizer)
+    optimizer, graph = prepare_step(args, parallel, device, model)
 
     def step(number, ids, labels):
         return train_step(args, parallel, device, model, optimizer, number, ids, labels, False, graph)[0]

@@ -13,7 +13,7 @@ from pith_apps.config import read_json
 from pith_apps.data import DEFAULT_CORPUS, ByteTokenizer, batch_at
 from pith_apps.options import MODELS, PRESETS
 from pith_engine.data_parallel import shard_model
-from pith_engine.optim import adamw, lr_at
+from pith_engine.optim import adamw
 from pith_engine.parallel import Parallel
 from pith_ops.fp8 import Fp8WeightCache
 from test_training_numerics import batch, tiny
@@ -89,13 +89,9 @@ def gpu_losses(family: str, flags: list[str]) -> list[float]:
     on the bundled corpus in byte tokens."""
     args = train_app.parse_args([family, *QUICK, "--device", "cuda", *flags])
     stream = torch.tensor(ByteTokenizer().encode(DEFAULT_CORPUS.read_text()))
-    model, optimizer, step = train_app.one_process_step(args)
-    losses = []
-    for number in range(args.steps):
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(number, args.lr, args.warmup, args.steps, args.schedule)
-        losses.append(step(number + 1, *batch_at(stream, number, args.seed, args.batch_size, args.seq_len))[0])
-    return losses
+    step = train_app.one_process_step(args)[1]
+    return [step(number + 1, *batch_at(stream, number, args.seed, args.batch_size, args.seq_len))[0]
+            for number in range(args.steps)]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU's FP8 GEMMs (the device machine)")

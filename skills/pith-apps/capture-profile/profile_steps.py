@@ -72,7 +72,7 @@ def main(argv=None):
     args = parse_args([flag for flag in own.app if flag != "--"] + ["--no-cuda-graph", "--steps",
                                                                      str(own.warmup + own.active)])
     stream = training_tokens(args, model_config(args))
-    model, optimizer, step = one_process_step(args)
+    model, step = one_process_step(args)
     cuda = next(model.parameters()).is_cuda
     timings = {name: [] for name in STAGES}
     label_stages(model, timings, cuda)

@@ -22,8 +22,6 @@ from pith_apps.options import model_config, parse_args
 from pith_apps.run_log import load_heatmap
 from pith_apps.data import batch_at
 from pith_apps.train import one_process_step, training_tokens
-from pith_engine.contract import moe_layers
-from pith_engine.optim import lr_at
 
 
 def record_routing(layer, into: list):
@@ -58,8 +56,8 @@ def main(argv=None):
     own = parser.parse_args(argv)
     args = parse_args([flag for flag in own.app if flag != "--"] + ["--no-cuda-graph"])   # a replay skips Python
     stream = training_tokens(args, model_config(args))
-    model, optimizer, step = one_process_step(args)
-    moe = {n: layer for n, layer in model.layers.items() if layer in moe_layers(model)}
+    model, step = one_process_step(args)
+    moe = {n: layer for n, layer in model.layers.items() if layer.is_moe}
     chosen = [int(n) for n in own.layers.split(",")] if own.layers else list(moe)
     if not set(chosen) <= set(moe):
         sys.exit(f"trace_routing: --layers {own.layers}: the MoE layers of this model are {sorted(moe)}")
@@ -69,8 +67,6 @@ def main(argv=None):
     out, loads = Path(own.out), {n: [] for n in chosen}
     out.mkdir(parents=True, exist_ok=True)
     for number in range(1, args.steps + 1):
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(number - 1, args.lr, args.warmup, args.steps, args.schedule)
         loss = step(number, *batch_at(stream, number - 1, args.seed, args.batch_size, args.seq_len))[0]
         if number % own.every == 0:
             tensors, busiest = {}, []

@@ -66,16 +66,14 @@ def one_process_flags(app: list[str], layout: str) -> list[str]:
 
 def compare(reference: dict, candidate: dict, tolerance: float) -> bool:
     """Print the step-by-step table and the verdict; True when every relative difference is within tolerance."""
+    gaps = {name: [abs(new - ref) / abs(ref) for ref, new in zip(reference[name], candidate[name])]
+            for name in ("loss", "grad_norm")}
     print("step      loss ref      loss new   rel diff   grad ref   grad new   rel diff")
-    worst = {"loss": 0.0, "grad_norm": 0.0}
-    for step, values in enumerate(zip(reference["loss"], candidate["loss"], reference["grad_norm"],
-                                      candidate["grad_norm"]), 1):
-        diffs = [abs(values[1] - values[0]) / abs(values[0]), abs(values[3] - values[2]) / abs(values[2])]
-        worst = {"loss": max(worst["loss"], diffs[0]), "grad_norm": max(worst["grad_norm"], diffs[1])}
-        print(f"{step:>4}  {values[0]:>12.6f}  {values[1]:>12.6f}  {diffs[0]:>9.2e}  {values[2]:>9.4f}  "
-              f"{values[3]:>9.4f}  {diffs[1]:>9.2e}")
-    same_length = len(reference["loss"]) == len(candidate["loss"]) > 0
-    passed = same_length and max(worst.values()) <= tolerance
+    for step, row in enumerate(zip(reference["loss"], candidate["loss"], gaps["loss"], reference["grad_norm"],
+                                   candidate["grad_norm"], gaps["grad_norm"]), 1):
+        print(f"{step:>4}  {row[0]:>12.6f}  {row[1]:>12.6f}  {row[2]:>9.2e}  {row[3]:>9.4f}  {row[4]:>9.4f}  {row[5]:>9.2e}")
+    worst = {name: max(values, default=math.inf) for name, values in gaps.items()}
+    passed = len(reference["loss"]) == len(candidate["loss"]) and max(worst.values()) <= tolerance
     print(f"{'PASS' if passed else 'FAIL'}: largest relative difference of the loss {worst['loss']:.2e}, of the "
           f"gradient norm {worst['grad_norm']:.2e}, over {len(candidate['loss'])} steps; tolerance {tolerance:.0e}")
     return passed

@@ -8,6 +8,7 @@ checkpoints to <out>/checkpoints that --resume continues from, under the same or
 """
 import dataclasses
 import functools
+import gc
 import json
 import math
 import os
@@ -58,6 +59,9 @@ def train(args) -> list[float]:
         folder.release()
         if joined:
             dist.destroy_process_group()
+            # collect the destroyed groups' cycles now: collected at interpreter exit instead, gloo's sub-groups
+            # (the device mesh's) aborted the process in 16 of 30 two-process runs (std::terminate), none after
+            gc.collect()
 
 
 def training_tokens(args, cfg, log=lambda line: None):
@@ -150,23 +154,40 @@ def build_model(model_cls, cfg, parallel: Parallel, device: torch.device, dtype:
 
 def one_process_step(args):
     """train_on's model, optimizer and step on one process, without its data store, log or checkpoints (for the
-    skills' scripts and tests that drive steps themselves): -> (model, optimizer, step), where step(number,
-    input_ids, labels) runs train_step at the optimizer's current learning rate."""
+    skills' scripts and tests that drive steps themselves): -> (model, step), where step(number, input_ids,
+    labels) sets the learning rate of the run's schedule at step `number` (from 1) and runs train_step."""
     check_args(args)
     parallel, device = layout(args)
     require(parallel.world == 1, f"one process only here, not {parallel.world}: leave out --dp, --ep, --pp and --cp")
-    micro_batches = args.batch_size // micro_batch_size(args, parallel)
-    dtype = DTYPES[args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
-    model = build_model(MODELS[args.model][1], model_config(args), parallel, device, dtype, args.seed, args.seq_len,
-                        args.balance, micro_batches)
-    if args.compile if args.compile is not None else device.type == "cuda":
+    model = build_model(MODELS[args.model][1], model_config(args), parallel, device, compute_dtype(args, device),
+                        args.seed, args.seq_len, args.balance, micro_batches_per_rank(args, parallel))
+    optimizer, graph = prepare_step(args, parallel, device, model)
+
+    def step(number: int, input_ids, labels):
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(number - 1, args.lr, args.warmup, args.steps, args.schedule)
+        return train_step(args, parallel, device, model, optimizer, number, input_ids, labels, False, graph)
+    return model, step
+
+
+def compute_dtype(args, device: torch.device) -> torch.dtype:
+    return DTYPES[args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
+
+
+def micro_batches_per_rank(args, parallel: Parallel) -> int:
+    return args.batch_size // (micro_batch_size(args, parallel) * parallel.data_ranks)
+
+
+def prepare_step(args, parallel: Parallel, device: torch.device, model) -> tuple:
+    """What a built model needs before its first step: its dense stages compiled (--compile; by default on CUDA
+    without context parallelism), AdamW, the FP8 weight cache under --fp8 and the step's CUDA graph (step_graph);
+    -> (optimizer, graph or None)."""
+    if args.compile if args.compile is not None else device.type == "cuda" and parallel.cp == 1:
         compile_stages(model)
     optimizer = adamw(model, args.lr, args.weight_decay)
     if args.fp8:
         use_fp8(model, Fp8WeightCache().watch(optimizer))
-    graph = step_graph(args, parallel, device, model, optimizer)
-    return model, optimizer, functools.partial(train_step, args, parallel, device, model, optimizer, stop_asked=False,
-                                               graph=graph)
+    return optimizer, step_graph(args, parallel, device, model, optimizer)
 
 
 def micro_batch_size(args, parallel: Parallel) -> int:
@@ -189,8 +210,7 @@ def train_on(args, cfg, parallel: Parallel, device: torch.device, data, folder, 
     """data: (training tokens, held-out tokens)."""
     stream, held_out = data
     torch.manual_seed(args.seed)   # the global generators (CPU and CUDA, checkpointed) start alike in every run
-    micro_batches = args.batch_size // (micro_batch_size(args, parallel) * parallel.data_ranks)
-    dtype = DTYPES[args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
+    micro_batches, dtype = micro_batches_per_rank(args, parallel), compute_dtype(args, device)
     pipeline, held = None, None
     if parallel.pp > 1:
         chunks = chunk_layers(cfg.num_hidden_layers, parallel.pp,
@@ -202,12 +222,7 @@ def train_on(args, cfg, parallel: Parallel, device: torch.device, data, folder, 
         pipeline = Pipeline(model, parallel, dtype, chunks, defer_wgrad=True, overlap=parallel.ep > 1)
     if args.init and not resume_from:   # a resumed run's weights come from its checkpoint
         init_from_hf(args, parallel, model, folder)
-    if args.compile if args.compile is not None else device.type == "cuda" and parallel.cp == 1:
-        compile_stages(model)
-    optimizer = adamw(model, args.lr, args.weight_decay)
-    if args.fp8:
-        use_fp8(model, Fp8WeightCache().watch(optimizer))
-    graph = step_graph(args, parallel, device, model, optimizer)
+    optimizer, graph = prepare_step(args, parallel, device, model)
     if args.save_every:
         size = checkpoint_bytes(model, parallel)
         on_lead(parallel, lambda: folder.check_space(size))

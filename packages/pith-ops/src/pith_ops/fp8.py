@@ -213,10 +213,12 @@ def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return _quantize_reference(x, 1, BLOCK)
 
 
-def quantize_blocks_reference(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_blocks_reference(w: torch.Tensor, both: bool = False) -> tuple:
     if w.dim() == 3:
-        return tuple(torch.stack(parts) for parts in zip(*(_quantize_reference(e, BLOCK, BLOCK) for e in w)))
-    return _quantize_reference(w, BLOCK, BLOCK)
+        blocks = tuple(torch.stack(parts) for parts in zip(*(_quantize_reference(e, BLOCK, BLOCK) for e in w)))
+    else:
+        blocks = _quantize_reference(w, BLOCK, BLOCK)
+    return (blocks, transposed(blocks)) if both else blocks
 
 
 def dequantize(q: torch.Tensor, scales: torch.Tensor, rows: int) -> torch.Tensor:
@@ -260,7 +262,7 @@ def transposed(blocks: tuple) -> tuple:
 
 
 class Fp8WeightCache:
-    """Each weight's FP8 blocks (and, asked for, their transpose: a dense layer's input gradient reads it), made at
+    """Each weight's FP8 blocks and their transpose (what the input gradient reads), made at
     the weight's first use after an optimizer step and served to every micro-batch of the step and its backward.
     `new_step` (which the hook of `watch` runs before each optimizer step) drops them all: they are freed before
     the optimizer runs and never served after it. An in-place change between steps (a load) is seen through the
@@ -278,7 +280,7 @@ class Fp8WeightCache:
         self.copies.clear()
 
     def blocks(self, weight: torch.Tensor, transpose: bool = False) -> tuple:
-        """quantize_blocks(weight), or its transposed. On CUDA both are made at once, by one pass over the weight:
+        """quantize_blocks(weight), or its transposed. Both are made at once, on CUDA by one pass over the weight:
         a training step's backward reads the transposed (a copy of the e4m3 blocks by torch took the H200 13.5 ms
         per Qwen3-30B-A3B 4-layer step)."""
         source = getattr(weight, "grad_into", weight)
@@ -286,12 +288,9 @@ class Fp8WeightCache:
         known = self.copies.get(id(source))
         if known is None or known[0] != state:
             with torch.no_grad():
-                made = (quantize_blocks(weight, both=True) if weight.is_cuda else
-                        (quantize_blocks_reference(weight),))
-            known = self.copies[id(source)] = (state, dict(zip((False, True), made)))
+                made = (quantize_blocks if weight.is_cuda else quantize_blocks_reference)(weight, both=True)
+            known = self.copies[id(source)] = (state, made)
             self.quantized += 1
-        if transpose not in known[1]:
-            known[1][transpose] = transposed(known[1][False])
         return known[1][transpose]
 
     def grouped_rows(self, a, weight, offs, kernel: bool, transpose: bool = False) -> torch.Tensor:
