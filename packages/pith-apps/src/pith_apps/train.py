@@ -115,6 +115,12 @@ def layout(args) -> tuple[Parallel, torch.device]:
             torch.cuda.set_device(device)   # Triton launches, streams and graphs use the current device
         device = torch.device("cuda", torch.cuda.current_device())
     parallel = Parallel.build(args.pp, args.dp, args.cp, args.ep, device.type)
+    check_layout(args, parallel)
+    return parallel, device
+
+
+def check_layout(args, parallel: Parallel):
+    """LayoutError for a layout the run's flags cannot use (parallel: a built one, or a plan without a mesh)."""
     if parallel.cp > 1 and (args.doc_mask or args.compile):
         raise LayoutError(f"--cp={parallel.cp} does not work with --{'doc-mask' if args.doc_mask else 'compile'} (ring "
                           "attention masks by position only, and passes blocks between compiled graphs); drop one")
@@ -128,7 +134,6 @@ def layout(args) -> tuple[Parallel, torch.device]:
                           f"divisor of {share}")
     if parallel.pp > 1:
         schedule(parallel.pp, share // micro_batch_size(args, parallel), 0)   # enough micro-batches, or LayoutError
-    return parallel, device
 
 
 def build_model(model_cls, cfg, parallel: Parallel, device: torch.device, dtype: torch.dtype, seed: int,

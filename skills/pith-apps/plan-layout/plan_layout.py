@@ -1,0 +1,144 @@
+"""The layouts (pp, dp, cp, ep and micro-batch size) of a pith-train run that fit a number of GPUs, ranked by a
+modelled step time, each with the torchrun command that launches it.
+
+  python skills/pith-apps/plan-layout/plan_layout.py --gpus 8 --gpu-memory 141 -- qwen3 --preset 30b-a3b \
+      --device cuda --seq-len 4096 --batch-size 64
+
+Every layout the app accepts (sizes whose product is --gpus; without --micro-batch-size, each micro-batch size
+dividing a data rank's share) is estimated by estimate-memory and kept when its peak is under --gpu-memory less
+--headroom. The step time is a model, for ranking: the training FLOPs at --tflops per GPU, stretched by the
+DualPipeV schedule's bubble (pith_engine.dualpipev.simulate), plus, taken as not overlapped, the experts'
+all-to-all, FSDP2's gathers and reduce-scatter and the ring's key/value blocks, over NVLink within a node of
+--gpus-per-node and the network beyond.
+"""
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "estimate-memory"))
+from estimate_memory import GIB, estimate  # noqa: E402
+
+from pith_apps.config import ConfigError, flops_per_token  # noqa: E402
+from pith_apps.options import hf_config_data, model_config, parse_args  # noqa: E402
+from pith_engine.dualpipev import simulate  # noqa: E402
+from pith_engine.parallel import LayoutError  # noqa: E402
+
+LAYOUT_FLAGS = ("--pp", "--dp", "--cp", "--ep", "--micro-batch-size")
+
+
+def layouts(gpus: int):
+    """(pp, dp, cp, ep) with product gpus."""
+    divisors = [d for d in range(1, gpus + 1) if gpus % d == 0]
+    for pp in divisors:
+        for cp in divisors:
+            for ep in divisors:
+                if gpus % (pp * cp * ep) == 0:
+                    yield pp, gpus // (pp * cp * ep), cp, ep
+
+
+def step_seconds(args, options, peak_rows) -> float:
+    """The modelled time of one optimizer step of run `args` (its layout set)."""
+    hf, cfg = hf_config_data(args), model_config(args)
+    gpus, width = options.gpus, 2 if args.device.startswith("cuda") else 4
+    compute = flops_per_token(hf, args.seq_len) * args.batch_size * args.seq_len / (gpus * options.tflops * 1e12)
+    data_ranks = args.dp * args.ep
+    micro = args.micro_batch_size or args.batch_size // data_ranks
+    micro_batches = args.batch_size // (micro * data_ranks)
+    if args.pp > 1:
+        timelines, bubbles = simulate(args.pp, micro_batches)
+        span = max(line[-1][1] for line in timelines)
+        compute *= span / (span - max(bubbles))
+    def seconds(nbytes: float, group: int, inner: int) -> float:   # inner: the ranks between two neighbours
+        within = group * inner <= options.gpus_per_node
+        return nbytes * (group - 1) / group / ((options.nvlink_gbs if within else options.network_gbs) * 1e9)
+    tokens = args.batch_size // data_ranks * args.seq_len // args.cp   # per rank per step
+    moe_layers = sum(1 for n in range(cfg.num_hidden_layers) if is_moe(hf, n)) / args.pp
+    top_k = hf["num_experts_per_tok"]
+    exchange = seconds(4 * tokens * top_k * hf["hidden_size"] * width * moe_layers, args.ep, 1) if args.ep > 1 else 0
+    held = max(row["weights"] for row in peak_rows) / 4 * args.dp * args.cp   # elements a dp x cp group shards
+    shards = args.dp * args.cp
+    fsdp = seconds(held * (2 * width * micro_batches + 4), shards, args.ep) if shards > 1 else 0
+    # keys and values (taken as wide as the hidden state) pass cp - 1 times forward, and with their gradients back
+    kv = tokens * 2 * hf["hidden_size"] * width * cfg.num_hidden_layers / args.pp
+    ring = seconds(3 * kv * args.cp, args.cp, args.ep) if args.cp > 1 else 0
+    return compute + exchange + fsdp + ring
+
+
+def is_moe(hf: dict, layer: int) -> bool:
+    return layer >= hf.get("first_k_dense_replace", 0)
+
+
+def command(options, layout: dict) -> str:
+    nodes = max(1, options.gpus // options.gpus_per_node)
+    per_node = options.gpus // nodes
+    launch = (f"torchrun --nproc-per-node {per_node}" if nodes == 1 else
+              f"torchrun --nnodes {nodes} --nproc-per-node {per_node} --rdzv-backend c10d --rdzv-endpoint HOST:29500")
+    sizes = " ".join(f"--{name.replace('_', '-')} {value}" for name, value in layout.items() if value > 1 or name == "micro_batch_size")
+    return f"{launch} -m pith_apps.train {' '.join(options.train)} {sizes}"
+
+
+def plan(options) -> list[tuple[float, float, dict]]:
+    """(step seconds, peak bytes, layout) of each layout that fits, fastest first."""
+    base = parse_args(options.train)
+    fitting = []
+    for pp, dp, cp, ep in layouts(options.gpus):
+        share, found = base.batch_size // (dp * ep), []
+        sizes = [base.micro_batch_size] if base.micro_batch_size else [m for m in range(1, share + 1) if share % m == 0]
+        for micro in sizes if base.batch_size % (dp * ep) == 0 else []:
+            layout = dict(pp=pp, dp=dp, cp=cp, ep=ep, micro_batch_size=micro)
+            args = parse_args([*options.train, *(f"--{k.replace('_', '-')}={v}" for k, v in layout.items())])
+            try:
+                rows = estimate(args)
+            except (ConfigError, LayoutError):
+                continue
+            peak = max(row["peak"] for row in rows)
+            if peak <= options.gpu_memory * GIB * (1 - options.headroom):
+                found.append((step_seconds(args, options, rows), peak, layout))
+        fitting += sorted(found, key=lambda f: (f[0], -f[2]["micro_batch_size"]))[:1]   # the fastest; of ties the largest
+    return sorted(fitting, key=lambda f: f[0])
+
+
+def parse_options(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add = parser.add_argument
+    add("--gpus", type=int, required=True, help="GPUs in all")
+    add("--gpu-memory", type=float, required=True, help="GiB per GPU")
+    add("--gpus-per-node", type=int, default=8, help="GPUs that NVLink joins (default: 8)")
+    add("--headroom", type=float, default=0.08, help="share of a GPU kept for the CUDA context, NCCL and fragmentation "
+        "(default: 0.08)")
+    add("--tflops", type=float, default=490.0, help="bf16 TFLOP/s a GPU sustains (default: 490, the app's ~50%% MFU on "
+        "an H200, bench/RESULTS.md)")
+    add("--nvlink-gbs", type=float, default=400.0, help="GB/s each way per GPU within a node (default: 400)")
+    add("--network-gbs", type=float, default=45.0, help="GB/s each way per GPU between nodes (default: 45)")
+    add("--top", type=int, default=5, help="layouts to list (default: 5)")
+    add("train", nargs=argparse.REMAINDER, help="-- then pith-train's model and flags, without the layout's")
+    options = parser.parse_args(argv)
+    options.train = [a for a in options.train if a != "--"]
+    return options
+
+
+def main(argv=None) -> int:
+    options = parse_options(argv)
+    given = [flag for flag in LAYOUT_FLAGS if any(a.split("=")[0] == flag for a in options.train)]
+    try:
+        if given:
+            raise ConfigError(f"{', '.join(given)}: the plan chooses the layout; leave them out")
+        found = plan(options)
+    except (ConfigError, LayoutError) as err:
+        print(f"plan_layout: error: {err}", file=sys.stderr)
+        return 2
+    if not found:
+        print(f"no layout of {options.gpus} GPUs fits {options.gpu_memory:g} GiB (less {options.headroom:.0%} "
+              "headroom): use more GPUs or a shorter --seq-len")
+        return 1
+    run = parse_args(options.train)
+    for seconds, peak, layout in found[:options.top]:
+        tokens_per_gpu = run.batch_size * run.seq_len / seconds / options.gpus
+        named = " ".join(f"{k}={v}" for k, v in layout.items())
+        print(f"{named}: peak {peak / GIB:.2f} GiB, modelled step {seconds:.2f} s ({tokens_per_gpu:,.0f} tokens/s per GPU)")
+        print(f"  {command(options, layout)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
