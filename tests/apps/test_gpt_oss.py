@@ -93,9 +93,11 @@ def mxfp4_encode_random(experts, outputs, inputs, generator):
     return values, blocks.view(experts, outputs, inputs // 32, 16), exponents.to(torch.uint8)
 
 
-def test_mxfp4_experts_load_as_the_same_model_as_bf16(tmp_path):
+@pytest.mark.parametrize("experts,top_k", [(6, 2), (128, 4)])   # 128 of top-4: gpt-oss-120b's expert layout
+def test_mxfp4_experts_load_as_the_same_model_as_bf16(tmp_path, experts, top_k):
     bf16_dir, mxfp4_dir = tmp_path / "bf16", tmp_path / "mxfp4"
-    hf_model = save_tiny_hf_model(gpt_oss_config(), bf16_dir).to(torch.bfloat16)
+    config = gpt_oss_config(num_local_experts=experts, num_experts_per_tok=top_k)
+    hf_model = save_tiny_hf_model(config, bf16_dir).to(torch.bfloat16)
     generator = torch.Generator().manual_seed(3)
     packed = {}
     with torch.no_grad():
@@ -121,7 +123,7 @@ def test_mxfp4_experts_load_as_the_same_model_as_bf16(tmp_path):
     for name in filter(lambda name: name.endswith(EXPERT_WEIGHTS), bf16.state_dict()):
         expected = hf_model.get_parameter(name).float().transpose(1, 2)
         assert torch.equal(quantized.get_parameter(name), expected), name
-    # expert-parallel rank 1 of 2 reads rows 3..5 of each stacked expert tensor, from bf16 and from MXFP4
+    # expert-parallel rank 1 of 2 reads the second half of each stacked expert tensor, from bf16 and from MXFP4
     for directory in (bf16_dir, mxfp4_dir):
         rank_experts = GptOssExperts(quantized.config, Parallel(ep=2, rank=1))
 
@@ -130,7 +132,7 @@ def test_mxfp4_experts_load_as_the_same_model_as_bf16(tmp_path):
                 return rank_experts.hf_views("model.layers.1.mlp.experts")
         load_hf_weights(RankModel(), directory)
         for name, param in rank_experts.named_parameters():
-            assert torch.equal(param, quantized.layers[1].mlp.experts.get_parameter(name)[3:]), name
+            assert torch.equal(param, quantized.layers[1].mlp.experts.get_parameter(name)[experts // 2:]), name
 
 
 def test_export_then_import_is_bit_exact_and_transformers_reproduces_our_logits(gpt_oss_dir, tmp_path):
@@ -164,6 +166,19 @@ def test_published_config_reads_as_the_20b_preset_and_as_transformers_reads_it()
     with torch.device("meta"):
         params = sum(p.numel() for p in GptOssForCausalLM(cfg).parameters())
     assert abs(params / 1e9 - 20.9) < 0.05   # MODELS.md: 20.9B total
+
+
+def test_the_120b_preset_is_the_20b_with_36_layers_of_128_experts_and_116_8b_parameters():
+    """gpt-oss-120b's published config.json differs from the 20b's in depth and expert count only; the total
+    (OpenAI's model card: 116.8B) follows from the shapes."""
+    big = read_json(PRESETS / "gpt_oss_120b.json")
+    small = read_json(PRESETS / "gpt_oss_20b.json")
+    assert {k for k in big if big[k] != small[k]} == {"num_hidden_layers", "num_local_experts", "layer_types"}
+    assert big["num_hidden_layers"] == 36 and big["num_local_experts"] == 128
+    assert big["layer_types"] == ["sliding_attention", "full_attention"] * 18
+    with torch.device("meta"):
+        params = sum(p.numel() for p in GptOssForCausalLM(GptOssConfig.from_dict(big)).parameters())
+    assert abs(params / 1e9 - 116.8) < 0.05
 
 
 def test_tiny_preset_and_a_config_without_rope_settings_read_as_transformers_defaults():
