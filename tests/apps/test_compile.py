@@ -9,9 +9,12 @@ from pith_apps.config import read_json
 from pith_apps.options import MODELS, PRESETS
 from pith_engine.compile import compile_stages
 
-# distinct compiled graphs expected: stage 1 (+ DeepSeek's dense layer, + GPT-OSS's second attention kind);
-# more would mean a recompile per layer
-GRAPHS = {"qwen3": 1, "deepseek_v2": 2, "gpt_oss": 2}
+# distinct compiled graphs expected: stage 1 (+ DeepSeek's dense layer, + GPT-OSS's and Qwen3.5's second attention
+# kind); more would mean a recompile per layer
+GRAPHS = {"qwen3": 1, "deepseek_v2": 2, "gpt_oss": 2, "qwen3_5": 2}
+# Qwen3.5's decay parameters (A_log, dt_bias) get a sum over every token of terms of both signs: inductor's
+# reordering moved them by up to 1.4e-4 of themselves (in_proj_a, on the same path but summed with x: 5.3e-6)
+DECAY_TOLERANCE = 3e-4
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -19,9 +22,9 @@ def test_compiled_stages_match_eager_forward_and_backward(name):
     torch._dynamo.reset()
     counters.clear()
     config_cls, model_cls = MODELS[name]
-    cfg = config_cls.from_dict(read_json(PRESETS / f"{name}_tiny.json") | {"num_hidden_layers": 3} |
+    cfg = config_cls.from_dict(read_json(PRESETS / f"{name}_tiny.json") | {"num_hidden_layers": 4 if name == "qwen3_5" else 3} |
                                ({"layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}
-                                if name == "gpt_oss" else {}))
+                                if name == "gpt_oss" else {}))   # Qwen3.5's 4: three linear-attention layers, one full
     eager = model_cls(cfg)
     eager.init_weights(0)
     compiled = model_cls(cfg)
@@ -34,5 +37,6 @@ def test_compiled_stages_match_eager_forward_and_backward(name):
     # float32; inductor fuses and reorders reductions: seen up to 1.3e-6
     assert abs(losses[0].item() - losses[1].item()) < 1e-5 * losses[0].item()
     for (param_name, a), b in zip(eager.named_parameters(), compiled.parameters()):
-        assert relative_error(b.grad, a.grad) < 1e-5, param_name
+        tolerance = DECAY_TOLERANCE if param_name.endswith(("A_log", "dt_bias")) else 1e-5
+        assert relative_error(b.grad, a.grad) < tolerance, param_name
     assert counters["stats"]["unique_graphs"] == GRAPHS[name]

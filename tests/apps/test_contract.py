@@ -18,7 +18,9 @@ def tiny(family, layers=None):
     config_cls, model_cls = MODELS[family]
     data = read_json(PRESETS / f"{family}_tiny.json")
     if layers:
-        data |= {"num_hidden_layers": layers, "layer_types": ["sliding_attention", "full_attention"] * (layers // 2)}
+        data |= {"num_hidden_layers": layers}
+        if "layer_types" in data:   # GPT-OSS's alternation (Qwen3.5's default: every fourth layer full attention)
+            data["layer_types"] = ["sliding_attention", "full_attention"] * (layers // 2)
     model = model_cls(config_cls.from_dict(data))
     model.init_weights(seed=2)
     return model

@@ -37,7 +37,8 @@ def test_each_weight_is_quantized_once_per_step_and_the_gradients_follow_the_unq
     rounding cannot flip a routing choice, and the weights are drawn at 0.02: the tiny models drawn at 0.2 are so
     sharp that bf16 alone moved some gradients by 40%. After the optimizer step the cache is empty and the next
     forward quantizes every weight again."""
-    experts = {"qwen3": "num_experts", "deepseek_v2": "n_routed_experts", "gpt_oss": "num_local_experts"}[family]
+    experts = {"qwen3": "num_experts", "deepseek_v2": "n_routed_experts", "gpt_oss": "num_local_experts",
+               "qwen3_5": "num_experts"}[family]
     every = getattr(MODELS[family][0].from_dict(read_json(PRESETS / f"{family}_tiny.json")), experts)
     model = tiny(family, initializer_range=0.02, num_experts_per_tok=every)
     reference = copy.deepcopy(model)

@@ -65,7 +65,17 @@ def parallel_body(rank, world, layouts, out):
 
 LAYOUTS = [("qwen3", 1, 2, None), ("qwen3", 2, 1, None), ("qwen3", 1, 4, None), ("qwen3", 2, 2, "aux_free"),
            ("deepseek_v2", 1, 2, None), ("deepseek_v2", 2, 1, None), ("deepseek_v2", 2, 2, None),
-           ("deepseek_v2", 1, 4, "global_batch"), ("gpt_oss", 1, 2, None), ("gpt_oss", 2, 2, None)]
+           ("deepseek_v2", 1, 4, "global_batch"), ("gpt_oss", 1, 2, None), ("gpt_oss", 2, 2, None),
+           ("qwen3_5", 1, 2, None), ("qwen3_5", 2, 1, None)]
+
+
+def tolerance(family: str, name: str) -> float:
+    """Qwen3.5's delta rule solves a triangular system per chunk, which amplifies summation-order differences: under
+    dp 2 (two rows per rank instead of four) its linear-attention gradients differed by up to 1.09e-5, its decay
+    parameters (A_log, dt_bias: a sum over every token of terms of both signs) by up to 3.2e-5; under ep 2 1.5e-7."""
+    if family != "qwen3_5":
+        return 1e-5
+    return 3e-4 if name.endswith(("A_log", "dt_bias")) else 3e-5
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +88,8 @@ def results(tmp_path_factory):
 
 @pytest.mark.parametrize("family,dp,ep,balance", LAYOUTS)
 def test_expert_and_data_parallel_step_equals_one_process(family, dp, ep, balance, results):
-    """float32: loss within 1e-6, every gradient within 1e-5 relative error (only summation order differs)."""
+    """float32: loss within 1e-6, every gradient within 1e-5 relative error (only summation order differs; Qwen3.5's
+    within `tolerance`'s)."""
     model = build(family, Parallel(), balance)
     ids, labels = global_batch(model.config.vocab_size)
     loss, norm = train_step(model, ids, labels, labels.numel())
@@ -90,5 +101,5 @@ def test_expert_and_data_parallel_step_equals_one_process(family, dp, ep, balanc
         for name, (first, value) in result["state"].items():
             expected = reference[name][1]
             expected = expected[first:first + value.shape[0]] if ".mlp.experts." in name else expected
-            assert relative_error(value, expected) < 1e-5, (rank, name)
+            assert relative_error(value, expected) < tolerance(family, name), (rank, name)
         assert len(result["state"]) == len(reference)

@@ -141,8 +141,7 @@ def test_resume_after_a_crash_repeats_the_uninterrupted_run_exactly(tmp_path, mo
     assert [e.value for e in curve] == [float(np.float32(x)) for x in straight]
 
 
-@pytest.mark.parametrize("model,preset", [(m, p.stem.removeprefix(f"{m}_")) for m in train_app.MODELS
-                                          for p in sorted(options.PRESETS.glob(f"{m}_*.json"))])
+@pytest.mark.parametrize("model,preset", [(m, p) for m in train_app.MODELS for p in options.preset_names(m)])
 def test_every_preset_is_a_valid_config(model, preset):
     cfg = train_app.model_config(train_app.parse_args([model, "--preset", preset]))
     assert cfg.vocab_size >= 257 and cfg.num_hidden_layers >= 2
@@ -181,7 +180,7 @@ def test_batches_are_a_pure_function_of_seed_and_step(tmp_path):
 
 
 @pytest.mark.parametrize("argv,named", [
-    (["llama"], "unknown model 'llama'; valid models: qwen3, deepseek_v2, gpt_oss"),
+    (["llama"], "unknown model 'llama'; valid models: qwen3, deepseek_v2, gpt_oss, qwen3_5"),
     (["qwen3", "--data", "/no/such/file.txt"], "dataset path '/no/such/file.txt' does not exist"),
     (["qwen3", "--preset", "huge"], "unknown --preset 'huge' for qwen3; valid presets: 30b-a3b, tiny"),
     (["qwen3", "--config", "BAD_CONFIG"], "config value num_experts=0 must be a positive integer"),
@@ -191,6 +190,7 @@ def test_batches_are_a_pure_function_of_seed_and_step(tmp_path):
                                                        "num_hidden_layers=1 (its weights hold no more layers)"),
     (["deepseek_v2", "--layers", "1"], "all 1 layers of the model are dense, none MoE; raise --layers"),
     (["qwen3", "--cuda-graph", "--device", "cpu"], "--cuda-graph needs CUDA and one process (here --device cpu, 1 "),
+    (["qwen3_5", "--doc-mask", "--steps", "1"], "--doc-mask: qwen3_5's linear-attention layers carry their state"),
 ])
 def test_bad_input_ends_with_one_clear_line(argv, named, tmp_path):
     bad = tmp_path / "config.json"
@@ -233,7 +233,7 @@ def test_run_config_file_sets_the_flags_and_the_command_line_overrides_it(tmp_pa
     ('resume = 1', ["qwen3"], "--run-config RUN: 'resume' = 1 must be true or false"),
     ('dtype = "fp16"', ["qwen3"], "--run-config RUN: 'dtype' = 'fp16' is not one of float32, bfloat16"),
     ('steps = ', ["qwen3"], "--run-config RUN: cannot read it as TOML (Invalid value"),
-    ('steps = 5', [], "no model family given; valid: qwen3, deepseek_v2, gpt_oss (as the first argument or the key"),
+    ('steps = 5', [], "no model family given; valid: qwen3, deepseek_v2, gpt_oss, qwen3_5 (as the first argument or"),
     ('', ["qwen3", "--config", "GPT_OSS"], "config 'GPT_OSS' is a gpt_oss config (model_type 'gpt_oss'), not qwen3; "
      "run: pith-train gpt_oss --config GPT_OSS"),
     ('', ["qwen3", "--config", "LLAMA"], "config 'LLAMA' has model_type 'llama', which Pith does not train; valid: "

@@ -42,6 +42,8 @@ def activations_per_token(hf: dict, layer: int, width: int) -> tuple[float, floa
         dense = hf["first_k_dense_replace"] > layer
         experts, top_k, inner = hf["n_routed_experts"], hf["num_experts_per_tok"], hf["moe_intermediate_size"]
         shared = 3 * hf["n_shared_experts"] * inner
+    elif hf["model_type"] == "qwen3_5_moe_text":
+        return qwen3_5_activations(hf, layer, width)
     else:
         qk_heads = heads + hf["num_key_value_heads"]
         extra = qk_heads if hf["model_type"] == "qwen3_moe" else 0   # Qwen3's per-head q/k norms keep their inputs
@@ -55,6 +57,26 @@ def activations_per_token(hf: dict, layer: int, width: int) -> tuple[float, floa
     wgrad_inputs = width * top_k * (2 * h + 3 * inner)   # expert input and output gradient; gate/up grad, activation
     routed = width * top_k * (2 * h + 3 * inner) + 4 * experts
     return attention + routed + width * shared, wgrad_inputs
+
+
+def qwen3_5_activations(hf: dict, layer: int, width: int) -> tuple[float, float]:
+    """activations_per_token of a Qwen3.5-MoE layer: a full-attention layer's q, its gate, k, v, the output and the
+    q/k norms' inputs; a linear-attention layer's q, k, v before and after the convolution, z, the rule's output
+    and its norm, the fp32 q, k, v the chunked rule takes and its three chunk-by-chunk fp32 matrices per value
+    head; then the MoE as the others', with the shared expert."""
+    h, top_k, inner = hf["hidden_size"], hf["num_experts_per_tok"], hf["moe_intermediate_size"]
+    kinds = hf.get("layer_types") or ["full_attention" if (n + 1) % 4 == 0 else "linear_attention"
+                                      for n in range(hf["num_hidden_layers"])]
+    if kinds[layer] == "full_attention":
+        heads, kv, head_dim = hf["num_attention_heads"], hf["num_key_value_heads"], hf["head_dim"]
+        mixer = width * head_dim * (4 * heads + 3 * kv)
+    else:
+        v_heads, k_dim, v_dim = hf["linear_num_value_heads"], hf["linear_key_head_dim"], hf["linear_value_head_dim"]
+        qkv = 2 * hf["linear_num_key_heads"] * k_dim + v_heads * v_dim
+        mixer = width * (2 * qkv + 3 * v_heads * v_dim) + 4 * v_heads * (2 * k_dim + v_dim + 3 * 64)
+    wgrad_inputs = width * top_k * (2 * h + 3 * inner)
+    routed = wgrad_inputs + 4 * hf["num_experts"] + width * 3 * hf["shared_expert_intermediate_size"]
+    return mixer + width * 4 * h + routed, wgrad_inputs
 
 
 def in_flight(pp: int, micro_batches: int, rank: int, chunk_bytes: list[tuple[float, float]]) -> float:

@@ -70,6 +70,8 @@ def flops_per_token(p: dict, seq: int) -> float:
     matmul weight a token passes through (attention, router, active and shared experts, LM head), plus the
     causal attention scores (a sliding-window layer's only up to its window). MFU's numerator."""
     h, heads, layers = p["hidden_size"], p["num_attention_heads"], p["num_hidden_layers"]
+    if p["model_type"] == "qwen3_5_moe_text":
+        return qwen3_5_flops_per_token(p, seq)
     if p["model_type"] == "deepseek_v2":
         qk_dim, v_dim = p["qk_nope_head_dim"] + p["qk_rope_head_dim"], p["v_head_dim"]
         attention = (h * heads * qk_dim + h * (p["kv_lora_rank"] + p["qk_rope_head_dim"])
@@ -91,3 +93,20 @@ def flops_per_token(p: dict, seq: int) -> float:
     keys = [min(seq / 2, window) if kind == "sliding_attention" and window else seq / 2
             for kind in p.get("layer_types", ["full_attention"] * layers)]   # mean keys a query attends to
     return 6 * weights + 6 * sum(keys) * heads * (qk_dim + v_dim)
+
+
+def qwen3_5_flops_per_token(p: dict, seq: int) -> float:
+    """flops_per_token for Qwen3.5-MoE: a full-attention layer's projections (q with its gate) and causal scores;
+    a linear-attention layer's projections and, per value head, the delta rule's three d_k x d_v products per token
+    (reading the state with k and q, writing u k^T), counted like matmul weights."""
+    h, heads, head_dim = p["hidden_size"], p["num_attention_heads"], p["head_dim"]
+    full = h * head_dim * (3 * heads + 2 * p["num_key_value_heads"])
+    k_width = p["linear_num_key_heads"] * p["linear_key_head_dim"]
+    v_heads, v_width = p["linear_num_value_heads"], p["linear_num_value_heads"] * p["linear_value_head_dim"]
+    linear = h * (2 * k_width + 3 * v_width + 2 * v_heads) + 3 * v_heads * p["linear_key_head_dim"] * p["linear_value_head_dim"]
+    kinds = p.get("layer_types") or ["full_attention" if (n + 1) % 4 == 0 else "linear_attention"
+                                     for n in range(p["num_hidden_layers"])]
+    moe = h * (3 * p["moe_intermediate_size"] * p["num_experts_per_tok"] + p["num_experts"]
+               + 3 * p["shared_expert_intermediate_size"] + 1)
+    weights = sum(full if kind == "full_attention" else linear for kind in kinds) + len(kinds) * moe + h * p["vocab_size"]
+    return 6 * weights + 6 * kinds.count("full_attention") * seq / 2 * heads * 2 * head_dim

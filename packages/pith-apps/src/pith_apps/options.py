@@ -12,6 +12,7 @@ from pith_apps.config import ConfigError, read_json, require
 from pith_apps.data import DEFAULT_CORPUS
 from pith_apps.models.deepseek_v2 import DeepseekV2Config, DeepseekV2ForCausalLM
 from pith_apps.models.gpt_oss import GptOssConfig, GptOssForCausalLM
+from pith_apps.models.qwen3_5_moe import Qwen3_5MoeConfig, Qwen3_5MoeForCausalLM
 from pith_apps.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from pith_engine.moe import BALANCE_MODES
 from pith_engine.optim import SCHEDULES
@@ -19,14 +20,16 @@ from pith_ops.fp8 import fp8_missing
 
 MODELS = {"qwen3": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
           "deepseek_v2": (DeepseekV2Config, DeepseekV2ForCausalLM),
-          "gpt_oss": (GptOssConfig, GptOssForCausalLM)}
-FAMILY_OF = {"qwen3_moe": "qwen3", "deepseek_v2": "deepseek_v2", "gpt_oss": "gpt_oss"}   # config model_type -> family
+          "gpt_oss": (GptOssConfig, GptOssForCausalLM),
+          "qwen3_5": (Qwen3_5MoeConfig, Qwen3_5MoeForCausalLM)}
+FAMILY_OF = {"qwen3_moe": "qwen3", "deepseek_v2": "deepseek_v2", "gpt_oss": "gpt_oss",   # config model_type -> family
+             "qwen3_5_moe_text": "qwen3_5", "qwen3_5_moe": "qwen3_5"}
 PRESETS = Path(__file__).parent / "presets"
 TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json")   # copied beside tokenizer.json on export
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-DESCRIPTION = ("Train a Qwen3-MoE, DeepSeek-V2 or GPT-OSS model on a text dataset with AdamW, showing a progress "
+DESCRIPTION = ("Train a Qwen3-MoE, DeepSeek-V2, GPT-OSS or Qwen3.5-MoE model on a text dataset with AdamW, showing a progress "
                "bar, logging to TensorBoard and checkpointing so that --resume continues the run.")
 
 
@@ -202,6 +205,14 @@ def check_args(args):
             f"process (here --device {args.device}, {processes} processes); leave it out or use --no-cuda-graph")
 
 
+def preset_names(family: str) -> list[str]:
+    """The presets of a family: presets/<family>_<name>.json, not another family's whose name extends this one's
+    (qwen3_5_tiny is not qwen3's "5_tiny")."""
+    longer = [other for other in MODELS if other != family and other.startswith(f"{family}_")]
+    return sorted(p.stem.removeprefix(f"{family}_") for p in PRESETS.glob(f"{family}_*.json")
+                  if not p.stem.startswith(tuple(f"{other}_" for other in longer)))
+
+
 def model_config(args):
     return MODELS[args.model][0].from_dict(hf_config_data(args))
 
@@ -214,7 +225,7 @@ def hf_config_data(args) -> dict:
         require(Path(args.init, "config.json").is_file(), f"--init '{args.init}' has no config.json; give a Hugging "
                 "Face model folder (config.json and *.safetensors)")
     path = Path(args.init, "config.json") if args.init else Path(args.config or PRESETS / f"{args.model}_{args.preset}.json")
-    valid = sorted(p.stem.removeprefix(f"{args.model}_") for p in PRESETS.glob(f"{args.model}_*.json"))
+    valid = preset_names(args.model)
     require(args.config or args.init or path.is_file(), f"unknown --preset '{args.preset}' for {args.model}; valid presets: "
             f"{', '.join(valid)}")
     data = read_json(path)

@@ -22,7 +22,7 @@ from torch import nn
 
 from pith_apps.config import config_from_dict, require
 from pith_apps.models.layers import (CausalLM, Linear, MoeDecoderLayer, RMSNorm, causal_attention,
-                                     SwiGLUExperts, apply_rotary, default_inv_freq, rope_parameters, rotary_cos_sin,
+                                     SwiGLUExperts, SwiGLUMLP, apply_rotary, default_inv_freq, rope_parameters, rotary_cos_sin,
                                      yarn_inv_freq, yarn_mscale)
 from pith_engine.context_parallel import ring_attention
 from pith_engine.moe import LoadBalance, Routing
@@ -133,17 +133,6 @@ def apply_rotary_pairs(x, cos, sin):
     return apply_rotary(x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2), cos, sin)
 
 
-class DeepseekV2MLP(nn.Module):
-    def __init__(self, hidden: int, inter: int):
-        super().__init__()
-        self.gate_proj = Linear(hidden, inter, bias=False)
-        self.up_proj = Linear(hidden, inter, bias=False)
-        self.down_proj = Linear(inter, hidden, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class DeepseekV2Attention(nn.Module):
     def __init__(self, cfg: DeepseekV2Config, parallel: Parallel):
         super().__init__()
@@ -190,7 +179,7 @@ class DeepseekV2Moe(nn.Module):
         super().__init__()
         self.gate = nn.Linear(cfg.hidden_size, cfg.n_routed_experts, bias=False)
         self.experts = SwiGLUExperts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, parallel)
-        self.shared_experts = DeepseekV2MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
+        self.shared_experts = SwiGLUMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
 
 
 class DeepseekV2DecoderLayer(MoeDecoderLayer):
@@ -204,7 +193,7 @@ class DeepseekV2DecoderLayer(MoeDecoderLayer):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = DeepseekV2Attention(cfg, parallel)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = DeepseekV2Moe(cfg, parallel) if moe else DeepseekV2MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = DeepseekV2Moe(cfg, parallel) if moe else SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size)
         if moe:   # DeepSeek's expert balance loss is the switch loss divided by top_k
             self.balance = LoadBalance(cfg.n_routed_experts, balance or ("sequence" if cfg.seq_aux else "global_batch"),
                                        cfg.aux_loss_alpha, cfg.n_routed_experts / cfg.num_experts_per_tok,

@@ -213,6 +213,19 @@ class Linear(nn.Linear):
         return out if self.bias is None else out + self.bias
 
 
+class SwiGLUMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)): DeepSeek-V2's dense layers and shared experts, Qwen3.5-MoE's shared expert."""
+
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = Linear(hidden, inter, bias=False)
+        self.up_proj = Linear(hidden, inter, bias=False)
+        self.down_proj = Linear(inter, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
 def use_fp8(model: nn.Module, cache) -> list[nn.Module]:
     """--fp8: the dense linears of the decoder layers (Linear: not the routers or the LM head) and the experts'
     GEMMs compute through `cache` (a pith_ops.fp8.Fp8WeightCache, watching the optimizer); the modules set."""
