@@ -201,3 +201,73 @@ class _Tie(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad, *(None for _ in ctx.needs_input_grad[1:])
+
+
+def zigzag_scan(step, parts: tuple, carry: torch.Tensor, group) -> tuple:
+    """A recurrence over the whole sequence under the zigzag layout: step(part, carry) -> (out, carry) run on the
+    sequence's 2cp chunks in order, where this cp rank holds parts = (chunk r, chunk 2cp-1-r). A chunk's carry in
+    is the carry out of the chunk before it, handed over by that chunk's rank: rank r-1 for an early chunk, rank
+    r+1 for a late one, the turn at rank cp-1 local. The ranks therefore run one after another, 0 to cp-1 and back
+    (a V), forward and, in reverse, backward. carry: the first chunk's (the same shape as every carry). Returns the
+    two parts' outputs."""
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    peer = functools.partial(dist.get_global_rank, group)
+    anchor = parts[0].flatten()[:0]   # joins a received carry to the graph, so that its backward sends the gradient
+    handed = []
+    if rank > 0:
+        carry = _Handed.apply(anchor, carry, peer(rank - 1))
+    first, carry = step(parts[0], carry)
+    if rank < cp - 1:
+        handed.append(_Handing.apply(carry, peer(rank + 1)))
+        carry = _Handed.apply(anchor, carry, peer(rank + 1))
+    second, carry = step(parts[1], carry)
+    if rank > 0:
+        handed.append(_Handing.apply(carry, peer(rank - 1)))
+    return first, _Join.apply(second, *handed)
+
+
+class _Handing(torch.autograd.Function):
+    """Sends a carry to the next chunk's rank; the backward receives its gradient from there. Returns an empty
+    token for _Join: made after this rank's chunk, so the backward, latest-made first, waits for the gradient only
+    after the later chunk's backward has run."""
+
+    @staticmethod
+    def forward(ctx, carry, to):
+        ctx.to, ctx.like = to, carry.detach()
+        dist.send(carry.detach().contiguous(), to)
+        return carry.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, _):
+        grad = torch.empty_like(ctx.like, memory_format=torch.contiguous_format)
+        dist.recv(grad, ctx.to)
+        return grad, None
+
+
+class _Handed(torch.autograd.Function):
+    """The carry received from the previous chunk's rank (shaped like `like`); the backward sends its gradient
+    back there. `anchor`, an empty slice of this rank's input, puts it in the graph."""
+
+    @staticmethod
+    def forward(ctx, anchor, like, source):
+        ctx.source = source
+        received = torch.empty_like(like, memory_format=torch.contiguous_format)
+        dist.recv(received, source)
+        return received
+
+    @staticmethod
+    def backward(ctx, grad):
+        dist.send(grad.contiguous(), ctx.source)
+        return grad.new_empty(0), None, None
+
+
+class _Join(torch.autograd.Function):
+    """out, with the _Handing tokens in its graph, so that every hand-over takes part in the backward."""
+
+    @staticmethod
+    def forward(ctx, out, *tokens):
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, *(grad.new_empty(0) for _ in ctx.needs_input_grad[1:])

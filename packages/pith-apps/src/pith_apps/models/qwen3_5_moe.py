@@ -7,7 +7,8 @@ Gated DeltaNet linear attention (a causal depthwise convolution over q, k and v,
 pith_ops.gated_delta, a norm gated by silu(z)); every few is full attention with a sigmoid output gate, q/k norms
 and rotary embeddings on the first quarter of each head. Every layer's MLP is the same MoE: softmax router, top-k
 renormalized, plus a shared expert scaled by sigmoid(shared_expert_gate(x)). The norms are zero-centered: they
-scale by 1 + weight, and their weights start at 0.
+scale by 1 + weight, and their weights start at 0. Under context parallelism the full-attention layers use ring
+attention and the linear-attention layers hand their state from rank to rank in sequence order (zigzag_scan).
 
 Each decoder layer is cut into the stages of docs/architecture.md: attention_stage (norm, token mixer, router),
 expert_stage (grouped GEMM SwiGLU), aggregate_stage (the routed sum, the gated shared expert, the residual).
@@ -21,6 +22,7 @@ from torch import nn
 from pith_apps.config import config_from_dict, require
 from pith_apps.models.layers import (CausalLM, Linear, MoeDecoderLayer, SwiGLUExperts, SwiGLUMLP, apply_rotary,
                                      causal_attention, default_inv_freq, rope_parameters, rotary_cos_sin)
+from pith_engine.context_parallel import zigzag_scan
 from pith_engine.data_parallel import local_part, this_ranks_part
 from pith_engine.moe import LoadBalance, Routing
 from pith_engine.parallel import LayoutError, Parallel
@@ -128,9 +130,7 @@ def unit_length(x):
 class GatedDeltaNet(nn.Module):
     def __init__(self, cfg: Qwen3_5MoeConfig, parallel: Parallel):
         super().__init__()
-        if parallel.cp > 1:
-            raise LayoutError(f"--cp={parallel.cp}: qwen3_5's linear-attention layers have no context parallelism yet "
-                              "(their state would pass from rank to rank in sequence order); leave out --cp")
+        self.ring = parallel.group("cp")   # context parallelism's group, None without
         self.k_heads, self.v_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         self.k_dim, self.v_dim = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         channels = 2 * self.k_heads * self.k_dim + self.v_heads * self.v_dim
@@ -145,23 +145,43 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = Linear(self.v_heads * self.v_dim, cfg.hidden_size, bias=False)
 
     def forward(self, x, docs=None):
+        """Under context parallelism (x this rank's two zigzag chunks) the delta rule's state and the convolution's
+        last inputs pass from chunk to chunk in sequence order (pith_engine.context_parallel.zigzag_scan)."""
         if docs is not None:
             raise LayoutError("--doc-mask: qwen3_5's linear-attention layers carry their state across documents (a "
                               "reset at each document's start is not built); leave out --doc-mask")
+        batch, wide = x.shape[0], torch.promote_types(x.dtype, torch.float32)
+        state = x.new_zeros(batch, self.v_heads, self.k_dim, self.v_dim, dtype=wide)
+        tail = x.new_zeros(batch, self.conv1d.weight.shape[0], self.conv1d.kernel_size[0] - 1)
+        if self.ring is None:
+            return self.mix(x, state, tail)[0]
+        sizes = [state.numel(), tail.numel()]
+
+        def step(part, carry):   # the carry: the state and the tail, flat in one tensor (one message)
+            out, state_out, tail_out = self.mix(part, *(t.view_as(like) for t, like in
+                                                        zip(carry.split(sizes), (state, tail))))
+            return out, torch.cat([state_out.flatten(), tail_out.to(wide).flatten()])
+        half = x.shape[1] // 2
+        carry = torch.cat([state.flatten(), tail.to(wide).flatten()])
+        return torch.cat(zigzag_scan(step, (x[:, :half], x[:, half:]), carry, self.ring), dim=1)
+
+    def mix(self, x, state, tail):
+        """(output, the delta rule's state after x, the convolution's input over x's last kernel - 1 tokens) for x
+        following `state` and `tail` (zeros at the sequence's start)."""
         batch, seq, _ = x.shape
-        mixed = self.in_proj_qkv(x).transpose(1, 2)
-        mixed = F.conv1d(mixed, self.conv1d.weight, padding=self.conv1d.kernel_size[0] - 1, groups=mixed.shape[1])
-        q, k, v = F.silu(mixed[..., :seq]).transpose(1, 2).split(
+        mixed = torch.cat([tail.to(x.dtype), self.in_proj_qkv(x).transpose(1, 2)], dim=-1)
+        conv = F.conv1d(mixed, self.conv1d.weight, groups=mixed.shape[1])
+        q, k, v = F.silu(conv).transpose(1, 2).split(
             [self.k_heads * self.k_dim, self.k_heads * self.k_dim, self.v_heads * self.v_dim], dim=-1)
         repeat = self.v_heads // self.k_heads   # each key head serves that many consecutive value heads
         wide = torch.promote_types(x.dtype, torch.float32)   # the rule in fp32 (float64 for a float64 model)
         q, k = (unit_length(t.to(wide).view(batch, seq, self.k_heads, self.k_dim)).repeat_interleave(repeat, dim=2)
                 for t in (q, k))
         g = -self.A_log.to(wide).exp() * F.softplus(self.in_proj_a(x).to(wide) + self.dt_bias)
-        out, _ = chunked_gated_delta(q * self.k_dim ** -0.5, k, v.to(wide).view(batch, seq, self.v_heads, self.v_dim),
-                                     g, self.in_proj_b(x).to(wide).sigmoid())
+        out, state = chunked_gated_delta(q * self.k_dim ** -0.5, k, v.to(wide).view(batch, seq, self.v_heads,
+                                         self.v_dim), g, self.in_proj_b(x).to(wide).sigmoid(), state)
         z = self.in_proj_z(x).view(batch, seq, self.v_heads, self.v_dim)
-        return self.out_proj(self.norm(out.to(x.dtype), z).reshape(batch, seq, -1))
+        return self.out_proj(self.norm(out.to(x.dtype), z).reshape(batch, seq, -1)), state, mixed[..., seq:]
 
 
 class GatedAttention(nn.Module):
