@@ -18,6 +18,7 @@ import sys
 import torch
 
 from pith_apps.config import ConfigError
+from pith_apps.models.layers import Linear, LocalExperts
 from pith_apps.options import MODELS, check_args, hf_config_data, model_config, parse_args
 from pith_apps.train import check_layout, compute_dtype, micro_batch_size, micro_batches_per_rank
 from pith_engine.contract import moe_layers
@@ -120,15 +121,27 @@ def weight_elements(model: torch.nn.Module, layout: dict, compiled: bool) -> dic
             whole = math.prod(shape)
             counts["local"] += whole // shape[axis] * math.ceil(shape[axis] / shards) if shards > 1 else whole
             total += whole
-            fp8_module = expert or name.startswith("mlp.") and "router" not in name and name.endswith("weight")
-            counts["fp8"] += whole * (fp8_module or not compiled and "self_attn" in name and name.endswith("proj.weight"))
         counts["gathered"] = max(counts["gathered"], total)
+        counts["fp8"] += fp8_elements(layer, compiled, layout["ep"])
     in_layers = {id(p) for layer in model.model.layers.values() for p in layer.parameters()}
     for param in model.parameters():
         if id(param) not in in_layers:
             counts["root"] += param.numel()
             counts["local"] += param.numel() // param.shape[0] * math.ceil(param.shape[0] / dense_shards)
     return counts
+
+
+def fp8_elements(layer: torch.nn.Module, compiled: bool, ep: int) -> int:
+    """The elements of a decoder layer's weights that --fp8 quantizes (use_fp8: its experts and its Linear modules),
+    unsharded; not the Linears of a compiled stage (compile_stages: an MoE layer's attention_stage, which runs all
+    but its mlp's, and a dense layer whole), which compute in the compute dtype."""
+    count = 0
+    for name, module in layer.named_modules():
+        if isinstance(module, LocalExperts):
+            count += sum(param.numel() for param in module.parameters()) // ep
+        elif isinstance(module, Linear) and not (compiled and not (layer.is_moe and name.startswith("mlp."))):
+            count += module.weight.numel()
+    return count
 
 
 BUILT = {}   # (family, config, held layers) -> the model on the meta device
