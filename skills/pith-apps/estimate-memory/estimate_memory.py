@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-from pith_apps.config import ConfigError
+from pith_apps.config import ConfigError, qwen3_5_layer_types
 from pith_apps.models.layers import Linear, LocalExperts
 from pith_apps.options import MODELS, check_args, hf_config_data, model_config, parse_args
 from pith_apps.train import check_layout, compute_dtype, micro_batch_size, micro_batches_per_rank
@@ -66,9 +66,7 @@ def qwen3_5_activations(hf: dict, layer: int, width: int) -> tuple[float, float]
     and its norm, the fp32 q, k, v the chunked rule takes and its three chunk-by-chunk fp32 matrices per value
     head; then the MoE as the others', with the shared expert."""
     h, top_k, inner = hf["hidden_size"], hf["num_experts_per_tok"], hf["moe_intermediate_size"]
-    kinds = hf.get("layer_types") or ["full_attention" if (n + 1) % 4 == 0 else "linear_attention"
-                                      for n in range(hf["num_hidden_layers"])]
-    if kinds[layer] == "full_attention":
+    if qwen3_5_layer_types(hf)[layer] == "full_attention":
         heads, kv, head_dim = hf["num_attention_heads"], hf["num_key_value_heads"], hf["head_dim"]
         mixer = width * head_dim * (4 * heads + 3 * kv)
     else:

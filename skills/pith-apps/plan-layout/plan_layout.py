@@ -15,13 +15,16 @@ import argparse
 import sys
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "estimate-memory"))
 from estimate_memory import GIB, estimate  # noqa: E402
 
 from pith_apps.config import ConfigError, flops_per_token  # noqa: E402
-from pith_apps.options import hf_config_data, model_config, parse_args  # noqa: E402
+from pith_apps.options import hf_config_data, parse_args  # noqa: E402
+from pith_apps.train import compute_dtype, micro_batches_per_rank  # noqa: E402
 from pith_engine.dualpipev import simulate  # noqa: E402
-from pith_engine.parallel import LayoutError  # noqa: E402
+from pith_engine.parallel import LayoutError, Parallel  # noqa: E402
 
 LAYOUT_FLAGS = ("--pp", "--dp", "--cp", "--ep", "--micro-batch-size")
 
@@ -36,14 +39,12 @@ def layouts(gpus: int):
                     yield pp, gpus // (pp * cp * ep), cp, ep
 
 
-def step_seconds(args, options, peak_rows) -> float:
-    """The modelled time of one optimizer step of run `args` (its layout set)."""
-    hf, cfg = hf_config_data(args), model_config(args)
-    gpus, width = options.gpus, 2 if args.device.startswith("cuda") else 4
+def step_seconds(args, options, hf: dict, peak_rows) -> float:
+    """The modelled time of one optimizer step of run `args` (its layout set), hf its Hugging Face config."""
+    gpus, width = options.gpus, compute_dtype(args, torch.device(args.device)).itemsize
     compute = flops_per_token(hf, args.seq_len) * args.batch_size * args.seq_len / (gpus * options.tflops * 1e12)
     data_ranks = args.dp * args.ep
-    micro = args.micro_batch_size or args.batch_size // data_ranks
-    micro_batches = args.batch_size // (micro * data_ranks)
+    micro_batches = micro_batches_per_rank(args, Parallel(args.pp, args.dp, args.cp, args.ep))
     if args.pp > 1:
         timelines, bubbles = simulate(args.pp, micro_batches)
         span = max(line[-1][1] for line in timelines)
@@ -52,20 +53,17 @@ def step_seconds(args, options, peak_rows) -> float:
         within = group * inner <= options.gpus_per_node
         return nbytes * (group - 1) / group / ((options.nvlink_gbs if within else options.network_gbs) * 1e9)
     tokens = args.batch_size // data_ranks * args.seq_len // args.cp   # per rank per step
-    moe_layers = sum(1 for n in range(cfg.num_hidden_layers) if is_moe(hf, n)) / args.pp
+    layers = hf["num_hidden_layers"]
+    moe_layers = (layers - hf.get("first_k_dense_replace", 0)) / args.pp
     top_k = hf["num_experts_per_tok"]
     exchange = seconds(4 * tokens * top_k * hf["hidden_size"] * width * moe_layers, args.ep, 1) if args.ep > 1 else 0
     held = max(row["weights"] for row in peak_rows) / 4 * args.dp * args.cp   # elements a dp x cp group shards
     shards = args.dp * args.cp
     fsdp = seconds(held * (2 * width * micro_batches + 4), shards, args.ep) if shards > 1 else 0
     # keys and values (taken as wide as the hidden state) pass cp - 1 times forward, and with their gradients back
-    kv = tokens * 2 * hf["hidden_size"] * width * cfg.num_hidden_layers / args.pp
+    kv = tokens * 2 * hf["hidden_size"] * width * layers / args.pp
     ring = seconds(3 * kv * args.cp, args.cp, args.ep) if args.cp > 1 else 0
     return compute + exchange + fsdp + ring
-
-
-def is_moe(hf: dict, layer: int) -> bool:
-    return layer >= hf.get("first_k_dense_replace", 0)
 
 
 def command(options, layout: dict) -> str:
@@ -80,7 +78,7 @@ def command(options, layout: dict) -> str:
 def plan(options) -> list[tuple[float, float, dict]]:
     """(step seconds, peak bytes, layout) of each layout that fits, fastest first."""
     base = parse_args(options.train)
-    fitting = []
+    hf, fitting = hf_config_data(base), []
     for pp, dp, cp, ep in layouts(options.gpus):
         share, found = base.batch_size // (dp * ep), []
         sizes = [base.micro_batch_size] if base.micro_batch_size else [m for m in range(1, share + 1) if share % m == 0]
@@ -93,7 +91,7 @@ def plan(options) -> list[tuple[float, float, dict]]:
                 continue
             peak = max(row["peak"] for row in rows)
             if peak <= options.gpu_memory * GIB * (1 - options.headroom):
-                found.append((step_seconds(args, options, rows), peak, layout))
+                found.append((step_seconds(args, options, hf, rows), peak, layout))
         fitting += sorted(found, key=lambda f: (f[0], -f[2]["micro_batch_size"]))[:1]   # the fastest; of ties the largest
     return sorted(fitting, key=lambda f: f[0])
 

@@ -95,6 +95,14 @@ def flops_per_token(p: dict, seq: int) -> float:
     return 6 * weights + 6 * sum(keys) * heads * (qk_dim + v_dim)
 
 
+def qwen3_5_layer_types(p: dict) -> list[str]:
+    """Qwen3.5-MoE's layer kinds: the config's layer_types, else every full_attention_interval-th layer (default
+    every 4th) full attention and the others linear attention, as transformers fills them in."""
+    interval = p.get("full_attention_interval") or 4
+    return p.get("layer_types") or [("linear_attention", "full_attention")[(n + 1) % interval == 0]
+                                    for n in range(p["num_hidden_layers"])]
+
+
 def qwen3_5_flops_per_token(p: dict, seq: int) -> float:
     """flops_per_token for Qwen3.5-MoE: a full-attention layer's projections (q with its gate) and causal scores;
     a linear-attention layer's projections and, per value head, the delta rule's three d_k x d_v products per token
@@ -104,8 +112,7 @@ def qwen3_5_flops_per_token(p: dict, seq: int) -> float:
     k_width = p["linear_num_key_heads"] * p["linear_key_head_dim"]
     v_heads, v_width = p["linear_num_value_heads"], p["linear_num_value_heads"] * p["linear_value_head_dim"]
     linear = h * (2 * k_width + 3 * v_width + 2 * v_heads) + 3 * v_heads * p["linear_key_head_dim"] * p["linear_value_head_dim"]
-    kinds = p.get("layer_types") or ["full_attention" if (n + 1) % 4 == 0 else "linear_attention"
-                                     for n in range(p["num_hidden_layers"])]
+    kinds = qwen3_5_layer_types(p)
     moe = h * (3 * p["moe_intermediate_size"] * p["num_experts_per_tok"] + p["num_experts"]
                + 3 * p["shared_expert_intermediate_size"] + 1)
     weights = sum(full if kind == "full_attention" else linear for kind in kinds) + len(kinds) * moe + h * p["vocab_size"]

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pith_apps.config import config_from_dict, require
+from pith_apps.config import config_from_dict, qwen3_5_layer_types, require
 from pith_apps.models.layers import (CausalLM, Linear, MoeDecoderLayer, SwiGLUExperts, SwiGLUMLP, apply_rotary,
                                      causal_attention, default_inv_freq, rope_parameters, rotary_cos_sin)
 from pith_engine.context_parallel import zigzag_scan
@@ -68,9 +68,7 @@ class Qwen3_5MoeConfig:
                 f"config rope_type={rope['rope_type']!r} is not supported for qwen3_5_moe; valid: 'default'")
         data = {**data, **{key: rope[key] for key in ("rope_theta", "partial_rotary_factor") if key in rope}}
         cfg = config_from_dict(cls, data, "qwen3_5_moe_text")
-        if not cfg.layer_types:
-            cfg.layer_types = [LAYER_KINDS[(n + 1) % cfg.full_attention_interval == 0]
-                               for n in range(cfg.num_hidden_layers)]
+        cfg.layer_types = qwen3_5_layer_types(vars(cfg))
         require(len(cfg.layer_types) == cfg.num_hidden_layers and set(cfg.layer_types) <= set(LAYER_KINDS),
                 f"config layer_types={cfg.layer_types} must give one of {', '.join(LAYER_KINDS)} for each of the "
                 f"{cfg.num_hidden_layers} layers")
