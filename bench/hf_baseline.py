@@ -10,7 +10,7 @@ fp32 weights, forwards under torch.autocast(bfloat16).
 import torch
 
 ATTENTION = {"gpt_oss": ("flex_attention", "sdpa", "eager"), "qwen3_moe": ("sdpa", "eager"),
-             "deepseek_v2": ("sdpa", "eager")}
+             "deepseek_v2": ("sdpa", "eager"), "qwen3_5_moe_text": ("sdpa", "eager")}
 
 
 def hf_model(preset: dict, precision: str, device: str, attention: str, weights: str | None = None):

@@ -25,6 +25,8 @@ width) against the bf16 matmul peak measured here.
       with transformers' own bf16-vs-mixed difference per tensor for scale
   ... --fp8-convergence [--steps 300] [--lr 1e-4] [--accum 1]: our mixed-precision loss on the bundled corpus with
       and without --fp8, from the same weights
+  ... --lift-fla-guard: both sides run fla-core's delta rule (Qwen3.5) on a Hopper GPU with Triton 3.4-3.7.0, which
+      it refuses (bench/gated_delta.py's lift_fla_hopper_guard)
 
 Writes $OUT/train_throughput.json (or parity.json, sdpa_check.json, grads.json, fp8_convergence.json) when OUT is
 set.
@@ -40,7 +42,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PRESETS = ROOT / "packages/pith-apps/src/pith_apps/presets"
-REAL = {"qwen3": "30b-a3b", "deepseek_v2": "lite", "gpt_oss": "20b"}
+REAL = {"qwen3": "30b-a3b", "deepseek_v2": "lite", "gpt_oss": "20b", "qwen3_5": "35b-a3b"}
 AUX_COEFS = ("router_aux_loss_coef", "aux_loss_alpha")
 
 
@@ -132,6 +134,9 @@ def measure(c: dict) -> dict:
     import time
 
     import torch
+    if os.environ.get("LIFT_FLA_GUARD"):   # --lift-fla-guard, passed down to each configuration's process
+        from gated_delta import lift_fla_hopper_guard
+        lift_fla_hopper_guard()
     row = dict(c, pid=os.getpid(), fresh=fresh, torch=torch.__version__)
     cuda = c["device"].startswith("cuda")
     if c["side"] == "peak":
@@ -312,14 +317,14 @@ def print_table(rows: list[dict]):
 
 
 def parity(args) -> dict:
-    """Per family and precision: transformers draws bf16 weights, saves them and trains 20 steps; the app
+    """Per family and precision: transformers draws bf16 weights, saves them and trains 20 steps (--steps); the app
     loads the same weights and trains on the same batches. Aux losses off on both sides. For scale, transformers
     also trains from those weights in the other precision: how far two correct runs drift apart."""
     rows = []
     for family, precision in [(f, p) for f in args.families for p in args.precision]:
         folder = tempfile.mkdtemp(prefix=f"parity-{family}-")
-        base = dict(family=family, preset=args.preset or REAL[family], layers=args.layers, seq=args.seq, steps=20,
-                    accum=1, device=args.device, lr=args.lr, precision=precision, aux=False, corpus=True)
+        base = dict(family=family, preset=args.preset or REAL[family], layers=args.layers, seq=args.seq,
+                    steps=args.steps or 20, accum=1, device=args.device, lr=args.lr, precision=precision, aux=False, corpus=True)
         theirs = isolated(base | dict(side="hf", save_to=folder))
         ours = isolated(base | dict(side="pith", hf_weights=folder))
         other = isolated(base | dict(side="hf", hf_weights=folder, precision={"bf16": "mixed"}.get(precision, "bf16")))
@@ -403,7 +408,11 @@ def main():
     parser.add_argument("--fp8-convergence", action="store_true", help="our loss over --steps (default 300) corpus "
                         "steps at --lr with and without --fp8")
     parser.add_argument("--grads", action="store_true", help="gradients, tensor by tensor, against transformers'")
+    parser.add_argument("--lift-fla-guard", action="store_true", help="both sides run fla-core's delta rule on a "
+                        "Hopper GPU with Triton 3.4-3.7.0, which it refuses (bench/gated_delta.py)")
     args = parser.parse_args()
+    if args.lift_fla_guard:
+        os.environ["LIFT_FLA_GUARD"] = "1"
     if args.one:
         print(json.dumps(measure(json.loads(args.one))))
         return

@@ -56,7 +56,7 @@ def test_the_contract_pieces_in_order_give_the_models_loss(family):
 def test_a_model_that_misses_part_of_the_contract_is_named_with_what_it_lacks():
     model = tiny("qwen3")
     with pytest.raises(TypeError, match=r"^layer 1 \(Plain\) is not a pith_engine MoeLayer: it lacks num_experts, "
-                                        r"experts, attention_stage, expert_stage, aggregate_stage$"):
+                                        r"experts, fullgraph, attention_stage, expert_stage, aggregate_stage$"):
         model.model.layers["1"] = type("Plain", (torch.nn.Module,), {"is_moe": True})()
         check_model(model)
     with pytest.raises(TypeError, match=r"^Sequential is not a pith_engine MoeModel: it lacks layers, hidden_size, wgrad_pairs, "

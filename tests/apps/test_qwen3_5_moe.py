@@ -8,9 +8,11 @@ import transformers
 
 from conftest import relative_error
 from hf_compare import (GRAD_TOLERANCE, check_export_round_trip, compare_forward_and_backward, load_ours,
-                        save_tiny_hf_model, shifted_labels)
+                        randomize, save_tiny_hf_model, shifted_labels)
 from pith_apps.config import ConfigError
 from pith_apps.models.qwen3_5_moe import Qwen3_5MoeConfig, Qwen3_5MoeForCausalLM
+from pith_apps.hf_checkpoint import save_hf
+from pith_apps.options import hf_config_data, model_config, parse_args
 
 SEQ = 100   # the delta rule's chunks are 64 tokens: one whole chunk, one padded
 
@@ -124,3 +126,27 @@ def test_transformers_and_ours_are_the_same_linear_attention_rounded_alike(tmp_p
         assert relative_error(out.detach(), outputs[2].detach()) < 2e-5
         for name, param in module.named_parameters():
             assert relative_error(param.grad, wanted[name].grad) < 2e-5, name
+
+
+def test_a_released_multimodal_checkpoint_gives_its_language_model(tmp_path):
+    """A checkpoint as Qwen3.5-35B-A3B is released (Qwen3_5MoeForConditionalGeneration: a vision tower, the text
+    model under model.language_model., config model_type qwen3_5_moe): our model reads the text model's weights and
+    gives transformers' logits for text within 1e-5; the app cuts it with --layers (the text config's layers) and
+    exports it as a text model that transformers reads back."""
+    text = qwen3_5_config().to_dict()
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=text["hidden_size"])
+    hf_model = transformers.Qwen3_5MoeForConditionalGeneration(transformers.Qwen3_5MoeConfig(text_config=text,
+                                                                                             vision_config=vision))
+    randomize(hf_model)
+    hf_model.save_pretrained(tmp_path / "released")
+    ours = load_ours(Qwen3_5MoeConfig, Qwen3_5MoeForCausalLM, tmp_path / "released")
+    ids = random_ids(3)
+    assert relative_error(ours(ids).detach(), hf_model(input_ids=ids).logits.detach()) < 1e-5
+    args = parse_args(["qwen3_5", "--init", str(tmp_path / "released"), "--layers", "2"])
+    assert hf_config_data(args)["model_type"] == "qwen3_5_moe_text"
+    cut = model_config(args)
+    assert cut.num_hidden_layers == 2 and cut.layer_types == ["linear_attention"] * 2
+    save_hf(ours, hf_config_data(parse_args(["qwen3_5", "--init", str(tmp_path / "released")])), tmp_path / "export")
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export", attn_implementation="eager")
+    assert type(exported).__name__ == "Qwen3_5MoeForCausalLM"
+    assert relative_error(exported(input_ids=ids).logits.detach(), ours(ids).detach()) < 1e-5

@@ -1,10 +1,16 @@
-"""The gated delta rule's chunked torch reference against the plain loop over tokens, and against transformers'."""
+"""The gated delta rule's chunked torch reference against the plain loop over tokens, and against transformers';
+fla-core's GPU kernels (the model's path on a GPU) against the reference; the warning when fla-core is missing."""
+import importlib.util
+import sys
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from conftest import relative_error
-from pith_ops.gated_delta import chunked_gated_delta, recurrent_gated_delta
+from pith_ops import gated_delta as rule
+from pith_ops.gated_delta import chunked_gated_delta, gated_delta, recurrent_gated_delta, unit_length
 
 
 def delta_inputs(dtype, batch=2, seq=150, heads=3, d_k=16, d_v=24, seed=0):
@@ -31,6 +37,8 @@ def test_chunks_compute_the_token_by_token_recurrence_and_its_gradients(dtype, t
         assert relative_error(ours, reference) < tolerance
 
 
+@pytest.mark.skipif(importlib.util.find_spec("fla") is not None, reason="transformers calls fla-core's kernels "
+                    "where it is installed; this compares its torch path")
 def test_the_chunked_rule_is_transformers_torch_path():
     """transformers' torch_chunk_gated_delta_rule (Qwen3.5-MoE), given the unscaled queries it scales itself and
     chunks of 64: the same outputs and final state in float32 (seen 1.2e-7)."""
@@ -40,3 +48,54 @@ def test_the_chunked_rule_is_transformers_torch_path():
                                                        output_final_state=True)
     ours, our_state = chunked_gated_delta(q, k, v, g, beta, state)
     assert relative_error(ours, theirs) < 1e-5 and relative_error(our_state, their_state) < 1e-5
+
+
+def test_a_missing_fla_warns_once_for_the_gpu_and_never_for_the_cpu(monkeypatch):
+    """Without an importable fla-core a CUDA tensor gets the reference (None here) and one warning naming the
+    package; a CPU tensor gets the reference silently."""
+    monkeypatch.setitem(sys.modules, "fla.ops.gated_delta_rule", None)   # importing it now raises ImportError
+    monkeypatch.setattr(rule, "FAST_RULES", {})
+    with pytest.warns(UserWarning, match="fla-core is not importable.*pip install fla-core"):
+        assert not rule.uses_fla("cuda")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not rule.uses_fla("cuda") and not rule.uses_fla("cpu")
+
+
+def test_the_models_call_normalizes_repeats_key_heads_and_scales():
+    """gated_delta's reference path: q and k to unit length, each key head given to two consecutive value heads, q
+    scaled; the same as the chunked rule on inputs prepared by hand (float64, exact to rounding)."""
+    q, k = (torch.randn(2, 70, 2, 16, dtype=torch.float64) for _ in range(2))
+    v, g, beta, state = delta_inputs(torch.float64, seq=70, heads=4)[2:]
+    ours, our_state = gated_delta(q, k, v, g, beta, state, scale=0.3)
+    by_hand = [unit_length(t).repeat_interleave(2, dim=2) for t in (q, k)]
+    reference, reference_state = chunked_gated_delta(by_hand[0] * 0.3, by_hand[1], v, g, beta, state)
+    assert relative_error(ours, reference) < 1e-12 and relative_error(our_state, reference_state) < 1e-12
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="fla-core's Triton kernels run on CUDA (the device machine)")
+def test_fla_kernels_compute_the_reference_rule_and_its_gradients(monkeypatch):
+    """Qwen3.5-35B's head layout (16 key heads, 32 value heads, 128 x 128), 1000 tokens, bf16 q, k, v as training
+    feeds them, fp32 decay, write strength and state: fla-core's output, final state and the gradients of all six
+    inputs against the fp32 reference on the same bf16 values, relative error under 2e-2 (bf16's rounding of the
+    kernels' intermediates). fla-core refuses Triton 3.4-3.7.0 on Hopper (its issue 640: a miscompile at 64-wide
+    key blocks; 128-dim keys take 128-wide blocks there): lifted here, so this checks the kernels at the model's
+    shape on whatever Triton the machine has."""
+    chunk_o = pytest.importorskip("fla.ops.common.chunk_o")
+    monkeypatch.setattr(chunk_o, "TRITON_ABOVE_3_7_1", True, raising=False)
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    draw = lambda *shape, dtype=torch.float32: torch.randn(*shape, generator=generator, device="cuda").to(dtype)   # noqa: E731
+    q, k, v = draw(1, 1000, 16, 128, dtype=torch.bfloat16), draw(1, 1000, 16, 128, dtype=torch.bfloat16), \
+        draw(1, 1000, 32, 128, dtype=torch.bfloat16)
+    g, beta, state = -F.softplus(draw(1, 1000, 32)) * 0.5, draw(1, 1000, 32).sigmoid(), draw(1, 32, 128, 128)
+    weights = draw(1, 1000, 32, 128), draw(1, 32, 128, 128)
+    assert rule.uses_fla("cuda")
+    results = []
+    for fast in (rule.FAST_RULES["cuda"], None):   # None: the reference, on the same values in fp32
+        monkeypatch.setitem(rule.FAST_RULES, "cuda", fast)
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, g, beta, state)]
+        out, final = gated_delta(*leaves if fast else (*(t.float() for t in leaves[:3]), *leaves[3:]), scale=128 ** -0.5)
+        ((out.float() * weights[0]).sum() + (final * weights[1]).sum()).backward()
+        results.append([out, final, *(t.grad for t in leaves)])
+    for ours, reference in zip(*results):
+        assert relative_error(ours, reference) < 2e-2

@@ -40,6 +40,14 @@ def _check_type(name: str, value, kind, may_be_zero: bool):
         raise ConfigError(f"config value {name}={value} must be >= 0")
 
 
+def text_config(data: dict) -> dict:
+    """A released multimodal model's config (Qwen3.5-MoE: model_type qwen3_5_moe) -> its language model's
+    (text_config, model_type qwen3_5_moe_text), which is what Pith trains; any other config as it is."""
+    if data.get("model_type") == "qwen3_5_moe" and isinstance(data.get("text_config"), dict):
+        return {"model_type": "qwen3_5_moe_text", **data["text_config"]}
+    return data
+
+
 def config_from_dict(cls, data: dict, model_type: str):
     """Build dataclass `cls` from a config.json dict: keys it does not know are ignored (HF configs carry
     many), known ones are type-checked (ints positive, or >= 0 where the default is 0; floats >= 0), null

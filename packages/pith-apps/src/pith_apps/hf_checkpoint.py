@@ -45,10 +45,19 @@ def weight_map(model_dir: Path) -> dict[str, str]:
         return {name: single.name for name in f.keys()}
 
 
+def text_model_names(files: dict[str, str]) -> dict[str, str]:
+    """Our tensor name -> the name in the files: the same, except in a multimodal checkpoint (Qwen3.5-MoE's released
+    ones), which keeps its language model under model.language_model. (model.visual. and mtp. are not read)."""
+    prefix = "model.language_model."
+    return {("model." + name.removeprefix(prefix) if name.startswith(prefix) else name): name for name in files}
+
+
 def load_hf_weights(model: torch.nn.Module, model_dir: str | Path):
     """Fill every parameter of `model` from the checkpoint in model_dir, one shard file at a time."""
     model_dir = Path(model_dir)
     files = weight_map(model_dir)
+    stored = text_model_names(files)
+    files = {name: files[stored[name]] for name in stored}
     views, rows = {}, {}
     for name, view, *part in model.hf_views():
         views[name], rows[name] = view, part[0] if part else slice(None)
@@ -65,7 +74,7 @@ def load_hf_weights(model: torch.nn.Module, model_dir: str | Path):
             with safe_open(model_dir / file, "pt") as shard:
                 for name in names:
                     if name in files:
-                        tensor = shard.get_slice(name)[rows[name]]
+                        tensor = shard.get_slice(stored[name])[rows[name]]
                     else:
                         tensor = read_mxfp4(model_dir, files, shard, name, rows[name])
                     if tuple(tensor.shape) != tuple(views[name].shape):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from pith_apps.config import ConfigError, read_json, require
+from pith_apps.config import ConfigError, read_json, require, text_config
 from pith_apps.data import DEFAULT_CORPUS
 from pith_apps.models.deepseek_v2 import DeepseekV2Config, DeepseekV2ForCausalLM
 from pith_apps.models.gpt_oss import GptOssConfig, GptOssForCausalLM
@@ -228,7 +228,7 @@ def hf_config_data(args) -> dict:
     valid = preset_names(args.model)
     require(args.config or args.init or path.is_file(), f"unknown --preset '{args.preset}' for {args.model}; valid presets: "
             f"{', '.join(valid)}")
-    data = read_json(path)
+    data = text_config(read_json(path))
     model_type = data.get("model_type")
     family = FAMILY_OF.get(model_type, args.model if model_type is None else None)
     require(family is not None, f"config '{path}' has model_type {model_type!r}, which Pith does not train; valid: "

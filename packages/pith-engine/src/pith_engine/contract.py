@@ -35,6 +35,7 @@ class MoeLayer(Protocol):
     is_moe: bool
     num_experts: int      # over all expert-parallel ranks
     experts: ExpertStack
+    fullgraph: bool       # torch.compile traces attention_stage whole (False: it calls a kernel dynamo must skip)
 
     def attention_stage(self, x: torch.Tensor, *layer_args) -> tuple:
         """-> (hidden [batch, seq, hidden] after attention and its residual, tokens [batch * seq, hidden]

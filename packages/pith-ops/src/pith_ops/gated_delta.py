@@ -3,13 +3,61 @@
 
     S_t = exp(g_t) S_{t-1} + k_t u_t^T,   u_t = beta_t (v_t - exp(g_t) S_{t-1}^T k_t),   o_t = S_t^T q_t
 
-g_t <= 0 is the log of the decay, beta_t in (0, 1) the write strength; q and k come normalized and scaled (the
-model's job). `chunked_gated_delta` is the torch reference the CPU runs and autograd differentiates: within a
-chunk of C tokens the u_t solve one unit lower-triangular system, so a chunk is a few matrix products instead
-of C sequential steps. `recurrent_gated_delta` is the plain loop over tokens, the reference's own reference.
+g_t <= 0 is the log of the decay, beta_t in (0, 1) the write strength. `gated_delta` is the rule as the model calls
+it (q and k normalized here): on a GPU the chunked Triton kernels of the fla-core package when it is installed,
+otherwise `chunked_gated_delta`, the torch reference the CPU runs and autograd differentiates: within a chunk of C
+tokens the u_t solve one unit lower-triangular system, so a chunk is a few matrix products instead of C
+sequential steps. `recurrent_gated_delta` is the plain loop over tokens, the reference's own reference.
 """
+import warnings
+
 import torch
 import torch.nn.functional as F
+
+
+def unit_length(x):
+    """x / sqrt(|x|^2 + 1e-6) along the last dimension, as the released model (and fla's kernel) computes it; not
+    F.normalize's x / max(|x|, eps), which differs by ~1e-6 / |x|^2."""
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + 1e-6)
+
+
+FAST_RULES = {}   # device type -> fla-core's chunk_gated_delta_rule, or None: the torch reference
+
+
+def uses_fla(device_type: str) -> bool:
+    """Whether gated_delta runs fla-core's kernels for tensors on device_type: on "cuda" when fla-core imports
+    (else one warning), never elsewhere."""
+    if device_type not in FAST_RULES:
+        FAST_RULES[device_type] = None
+        if device_type == "cuda":
+            try:
+                from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+                FAST_RULES[device_type] = chunk_gated_delta_rule
+            except Exception as err:   # not installed, or an install that fails at import (its Triton, its einops)
+                warnings.warn(f"fla-core is not importable ({type(err).__name__}: {err}): Gated DeltaNet's delta rule "
+                              "runs the torch reference on the GPU, several times slower; pip install fla-core")
+    return FAST_RULES[device_type] is not None
+
+
+# torch.compile takes the answer as a constant: the mark torch.compiler.assume_constant_result sets, set without
+# importing torch._dynamo, which importing the app does not load (tests/apps/test_import.py)
+uses_fla._dynamo_marked_constant = True
+
+
+def gated_delta(q, k, v, g, beta, state, scale: float):
+    """q, k [batch, seq, k_heads, d_k] before normalization, v [batch, seq, v_heads, d_v] with each key head serving
+    v_heads / k_heads consecutive value heads, g and beta [batch, seq, v_heads], state [batch, v_heads, d_k, d_v]
+    -> (o in v's dtype, the final state). q and k are normalized to unit length and q scaled by scale. fla's kernels
+    take q, k and v as they come (bf16 in training) and keep the state in fp32; the reference computes in fp32
+    (float64 for float64 inputs)."""
+    if uses_fla(q.device.type):
+        return FAST_RULES[q.device.type](q, k, v, g, beta, scale=scale, initial_state=state, output_final_state=True,
+                      use_qk_l2norm_in_kernel=True)
+    wide = torch.promote_types(v.dtype, torch.float32)
+    repeat = v.shape[2] // k.shape[2]
+    q, k = (unit_length(t.to(wide)).repeat_interleave(repeat, dim=2) for t in (q, k))
+    out, state = chunked_gated_delta(q * scale, k, v.to(wide), g.to(wide), beta.to(wide), state)
+    return out.to(v.dtype), state
 
 
 def recurrent_gated_delta(q, k, v, g, beta, state=None):

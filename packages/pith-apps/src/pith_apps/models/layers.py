@@ -136,6 +136,7 @@ class MoeDecoderLayer(nn.Module):
     layer's experts module and stage 5 adds the routed sum to the residual. A family writes
     attention_stage and overrides what it does differently."""
     is_moe = True
+    fullgraph = True
 
     def forward(self, x, cos, sin, docs=None):
         return run_moe_layer(self, x, cos, sin, docs)

@@ -19,14 +19,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pith_apps.config import config_from_dict, qwen3_5_layer_types, require
+from pith_apps.config import config_from_dict, qwen3_5_layer_types, require, text_config
 from pith_apps.models.layers import (CausalLM, Linear, MoeDecoderLayer, SwiGLUExperts, SwiGLUMLP, apply_rotary,
                                      causal_attention, default_inv_freq, rope_parameters, rotary_cos_sin)
 from pith_engine.context_parallel import zigzag_scan
 from pith_engine.data_parallel import local_part, this_ranks_part
 from pith_engine.moe import LoadBalance, Routing
 from pith_engine.parallel import LayoutError, Parallel
-from pith_ops.gated_delta import chunked_gated_delta
+from pith_ops.gated_delta import gated_delta
 
 LAYER_KINDS = ("linear_attention", "full_attention")
 
@@ -61,8 +61,7 @@ class Qwen3_5MoeConfig:
     @classmethod
     def from_dict(cls, data: dict) -> "Qwen3_5MoeConfig":
         """A text config, or a released model's (model_type qwen3_5_moe) whose text_config it is."""
-        if data.get("model_type") == "qwen3_5_moe" and isinstance(data.get("text_config"), dict):
-            data = data["text_config"]
+        data = text_config(data)
         rope = rope_parameters(data)
         require(rope["rope_type"] == "default",
                 f"config rope_type={rope['rope_type']!r} is not supported for qwen3_5_moe; valid: 'default'")
@@ -119,12 +118,6 @@ class GatedRMSNorm(nn.Module):
         return (normed * F.silu(gate.to(wide))).to(x.dtype)
 
 
-def unit_length(x):
-    """x / sqrt(|x|^2 + 1e-6) along the last dimension, as the released model computes it (not F.normalize's
-    x / max(|x|, eps), which differs by ~1e-6 / |x|^2)."""
-    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + 1e-6)
-
-
 class GatedDeltaNet(nn.Module):
     def __init__(self, cfg: Qwen3_5MoeConfig, parallel: Parallel):
         super().__init__()
@@ -171,15 +164,12 @@ class GatedDeltaNet(nn.Module):
         conv = F.conv1d(mixed, self.conv1d.weight, groups=mixed.shape[1])
         q, k, v = F.silu(conv).transpose(1, 2).split(
             [self.k_heads * self.k_dim, self.k_heads * self.k_dim, self.v_heads * self.v_dim], dim=-1)
-        repeat = self.v_heads // self.k_heads   # each key head serves that many consecutive value heads
-        wide = torch.promote_types(x.dtype, torch.float32)   # the rule in fp32 (float64 for a float64 model)
-        q, k = (unit_length(t.to(wide).view(batch, seq, self.k_heads, self.k_dim)).repeat_interleave(repeat, dim=2)
-                for t in (q, k))
+        wide = torch.promote_types(x.dtype, torch.float32)   # the decay and write strength in fp32 (or wider)
         g = -self.A_log.to(wide).exp() * F.softplus(self.in_proj_a(x).to(wide) + self.dt_bias)
-        out, state = chunked_gated_delta(q * self.k_dim ** -0.5, k, v.to(wide).view(batch, seq, self.v_heads,
-                                         self.v_dim), g, self.in_proj_b(x).to(wide).sigmoid(), state)
+        heads = (t.view(batch, seq, -1, width) for t, width in zip((q, k, v), (self.k_dim, self.k_dim, self.v_dim)))
+        out, state = gated_delta(*heads, g, self.in_proj_b(x).to(wide).sigmoid(), state, self.k_dim ** -0.5)
         z = self.in_proj_z(x).view(batch, seq, self.v_heads, self.v_dim)
-        return self.out_proj(self.norm(out.to(x.dtype), z).reshape(batch, seq, -1)), state, mixed[..., seq:]
+        return self.out_proj(self.norm(out, z).reshape(batch, seq, -1)), state, mixed[..., seq:]
 
 
 class GatedAttention(nn.Module):
@@ -217,6 +207,8 @@ class Qwen3_5MoeSparseBlock(nn.Module):
 
 
 class Qwen3_5MoeDecoderLayer(MoeDecoderLayer):
+    fullgraph = False   # on a GPU the delta rule is fla-core's, which dynamo skips: the compiled stage breaks around it
+
     def __init__(self, cfg: Qwen3_5MoeConfig, kind: str, parallel: Parallel, balance: str, micro_batches: int = 1):
         super().__init__()
         self.num_experts, self.top_k, self.kind = cfg.num_experts, cfg.num_experts_per_tok, kind
