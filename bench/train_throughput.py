@@ -325,9 +325,13 @@ def parity(args) -> dict:
         folder = tempfile.mkdtemp(prefix=f"parity-{family}-")
         base = dict(family=family, preset=args.preset or REAL[family], layers=args.layers, seq=args.seq,
                     steps=args.steps or 20, accum=1, device=args.device, lr=args.lr, precision=precision, aux=False, corpus=True)
-        theirs = isolated(base | dict(side="hf", save_to=folder))
-        ours = isolated(base | dict(side="pith", hf_weights=folder))
-        other = isolated(base | dict(side="hf", hf_weights=folder, precision={"bf16": "mixed"}.get(precision, "bf16")))
+        runs = []   # transformers drawing and saving the weights, ours from them, transformers in the other precision
+        for extra in (dict(side="hf", save_to=folder), dict(side="pith", hf_weights=folder),
+                      dict(side="hf", hf_weights=folder, precision={"bf16": "mixed"}.get(precision, "bf16"))):
+            runs.append(isolated(base | extra))
+            print(json.dumps(dict(family=family, **extra, losses=runs[-1].get("losses"), error=runs[-1].get("error"))),
+                  flush=True)   # as each ends: a run cut short by a time limit still shows the ones before
+        theirs, ours, other = runs
         shutil.rmtree(folder)
         row = dict(family=family, precision=precision, hf=theirs.get("losses") or theirs.get("error"),
                    pith=ours.get("losses") or ours.get("error"), hf_other_precision=other.get("losses") or other.get("error"))

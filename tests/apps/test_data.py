@@ -134,11 +134,13 @@ def test_a_multi_gigabyte_corpus_is_tokenized_in_a_fraction_of_its_size_in_memor
     assert grown < tokens * 4 / 20
 
 
-@pytest.mark.parametrize("family", ["qwen3", "deepseek_v2", "gpt_oss"])
+@pytest.mark.parametrize("family", ["qwen3", "deepseek_v2", "gpt_oss", "qwen3_5"])
 def test_a_document_masked_sequence_gives_each_document_the_logits_it_has_alone(family):
-    """Two sequences of 3 and 2 documents (GPT-OSS's sliding window set to 4 tokens, which documents of 9 and 11
-    cross): with docs, each document's logits are those of the document run alone (float32, 1e-5); without, the
-    later documents' differ."""
+    """Two sequences of 3 and 2 documents (GPT-OSS's sliding window set to 4 tokens, which documents of 9 and 71
+    cross; Qwen3.5's delta rule works in chunks of 64 tokens, which the second and fourth documents cross, and its
+    convolution reads 3 tokens back): with docs, each document's logits are those of the document run alone
+    (float32, 1e-5; Qwen3.5 5e-5: a document starting mid-chunk is solved in other chunks than alone, and the
+    triangular solves amplify float32 rounding, 2.3e-5 seen); without, the later documents' differ."""
     from conftest import relative_error
     from pith_apps.config import read_json
     from pith_apps.options import MODELS, PRESETS
@@ -148,19 +150,19 @@ def test_a_document_masked_sequence_gives_each_document_the_logits_it_has_alone(
     model = model_cls(config_cls.from_dict(read_json(PRESETS / f"{family}_tiny.json") | {"initializer_range": 0.2} | window))
     model.init_weights(seed=1)
     eos, generator = 256, torch.Generator().manual_seed(0)
-    lengths = [[5, 9, 4], [11, 7]]
+    lengths, tolerance = [[5, 69, 4], [71, 7]], 5e-5 if family == "qwen3_5" else 1e-5
     rows = [torch.cat([torch.cat([torch.randint(0, 256, (n - 1,), generator=generator), torch.tensor([eos])])
                        for n in row]) for row in lengths]
     ids = torch.stack(rows)
     docs = document_ids(ids, eos)
-    assert docs.tolist()[1] == [0] * 11 + [1] * 7
+    assert docs.tolist()[1] == [0] * 71 + [1] * 7
     with torch.no_grad():
         masked, plain = model(ids, docs=docs), model(ids)
         for row, row_lengths in enumerate(lengths):
             start = 0
             for n in row_lengths:
                 alone = model(ids[row:row + 1, start:start + n])[0]
-                assert relative_error(masked[row, start:start + n], alone) < 1e-5, (row, start)
+                assert relative_error(masked[row, start:start + n], alone) < tolerance, (row, start)
                 if start:
                     assert relative_error(plain[row, start:start + n], alone) > 1e-2
                 start += n

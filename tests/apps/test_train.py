@@ -190,7 +190,6 @@ def test_batches_are_a_pure_function_of_seed_and_step(tmp_path):
                                                        "num_hidden_layers=1 (its weights hold no more layers)"),
     (["deepseek_v2", "--layers", "1"], "all 1 layers of the model are dense, none MoE; raise --layers"),
     (["qwen3", "--cuda-graph", "--device", "cpu"], "--cuda-graph needs CUDA and one process (here --device cpu, 1 "),
-    (["qwen3_5", "--doc-mask", "--steps", "1"], "--doc-mask: qwen3_5's linear-attention layers carry their state"),
 ])
 def test_bad_input_ends_with_one_clear_line(argv, named, tmp_path):
     bad = tmp_path / "config.json"

@@ -59,10 +59,11 @@ def test_grads_mode_compares_every_gradient_with_transformers_against_its_own_bf
     # At this size a token that routes differently moves an expert's gradient (seen: transformers against
     # itself 0.8-1.5% on most runs, 11% on one tensor once), so the median over tensors is what must agree
     # (seen: ratios up to 1.6); one token more on our side gave 3% on every tensor, a ratio near 6, and a
-    # tensor in a wrong layout would be off by ~100%
+    # tensor in a wrong layout would be off by ~100%. The router's gradient, a sum over few tokens, can drift by
+    # half of itself between transformers' own two runs (0.535 seen once): each tensor within 0.5 or 1.5x that drift
     ratios = sorted(t["pith_gap"] / t["hf_bf16_gap"] for t in tensors)
     assert ratios[len(ratios) // 2] < 3, tensors
-    assert all(0 < t["hf_bf16_gap"] and t["pith_gap"] < 0.5 for t in tensors), tensors
+    assert all(0 < t["hf_bf16_gap"] and t["pith_gap"] < max(0.5, 1.5 * t["hf_bf16_gap"]) for t in tensors), tensors
 
 
 def test_fp8_convergence_mode_runs_our_step_with_and_without_fp8_from_the_same_weights(tmp_path):

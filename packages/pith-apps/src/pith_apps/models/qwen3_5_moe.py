@@ -25,7 +25,7 @@ from pith_apps.models.layers import (CausalLM, Linear, MoeDecoderLayer, SwiGLUEx
 from pith_engine.context_parallel import zigzag_scan
 from pith_engine.data_parallel import local_part, this_ranks_part
 from pith_engine.moe import LoadBalance, Routing
-from pith_engine.parallel import LayoutError, Parallel
+from pith_engine.parallel import Parallel
 from pith_ops.gated_delta import gated_delta
 
 LAYER_KINDS = ("linear_attention", "full_attention")
@@ -137,16 +137,13 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x, docs=None):
         """Under context parallelism (x this rank's two zigzag chunks) the delta rule's state and the convolution's
-        last inputs pass from chunk to chunk in sequence order (pith_engine.context_parallel.zigzag_scan)."""
-        if docs is not None:
-            raise LayoutError("--doc-mask: qwen3_5's linear-attention layers carry their state across documents (a "
-                              "reset at each document's start is not built); leave out --doc-mask")
-        batch, wide = x.shape[0], torch.promote_types(x.dtype, torch.float32)
-        state = x.new_zeros(batch, self.v_heads, self.k_dim, self.v_dim, dtype=wide)
-        tail = x.new_zeros(batch, self.conv1d.weight.shape[0], self.conv1d.kernel_size[0] - 1)
-        if self.ring is None:
-            return self.mix(x, state, tail)[0]
-        sizes = [state.numel(), tail.numel()]
+        last inputs pass from chunk to chunk in sequence order (pith_engine.context_parallel.zigzag_scan). With docs
+        ([batch, seq] document index of each token) each document starts from a zero state and its convolution
+        sees only its own tokens."""
+        state, tail = self.carry_at_start(x)
+        if self.ring is None or docs is not None:   # (the app refuses --doc-mask with --cp)
+            return self.mix(x, state, tail, docs)[0]
+        wide, sizes = state.dtype, [state.numel(), tail.numel()]
 
         def step(part, carry):   # the carry: the state and the tail, flat in one tensor (one message)
             out, state_out, tail_out = self.mix(part, *(t.view_as(like) for t, like in
@@ -156,16 +153,30 @@ class GatedDeltaNet(nn.Module):
         carry = torch.cat([state.flatten(), tail.to(wide).flatten()])
         return torch.cat(zigzag_scan(step, (x[:, :half], x[:, half:]), carry, self.ring), dim=1)
 
-    def mix(self, x, state, tail):
+    def carry_at_start(self, x):
+        """The delta rule's state (fp32 or wider) and the convolution's previous inputs before a sequence: zeros."""
+        state = x.new_zeros(x.shape[0], self.v_heads, self.k_dim, self.v_dim, dtype=torch.promote_types(x.dtype, torch.float32))
+        return state, x.new_zeros(x.shape[0], self.conv1d.weight.shape[0], self.conv1d.kernel_size[0] - 1)
+
+    def mix(self, x, state, tail, docs=None):
         """(output, the delta rule's state after x, the convolution's input over x's last kernel - 1 tokens) for x
         following `state` and `tail` (zeros at the sequence's start)."""
         batch, seq, _ = x.shape
         mixed = torch.cat([tail.to(x.dtype), self.in_proj_qkv(x).transpose(1, 2)], dim=-1)
-        conv = F.conv1d(mixed, self.conv1d.weight, groups=mixed.shape[1])
+        if docs is None:
+            conv = F.conv1d(mixed, self.conv1d.weight, groups=mixed.shape[1])
+        else:   # tap i reads the token taps - 1 - i back, only when it is of the same document
+            taps = self.conv1d.kernel_size[0]
+            doc = F.pad(docs, (taps - 1, 0), value=-1)   # the tail (zeros) belongs to no document
+            conv = sum(self.conv1d.weight[:, :, i] * mixed[..., i:i + seq] * (doc[:, None, i:i + seq] == docs[:, None])
+                       for i in range(taps))
         q, k, v = F.silu(conv).transpose(1, 2).split(
             [self.k_heads * self.k_dim, self.k_heads * self.k_dim, self.v_heads * self.v_dim], dim=-1)
         wide = torch.promote_types(x.dtype, torch.float32)   # the decay and write strength in fp32 (or wider)
         g = -self.A_log.to(wide).exp() * F.softplus(self.in_proj_a(x).to(wide) + self.dt_bias)
+        if docs is not None:   # a document's first token keeps e^-80 (below 1e-34) of the state before it: none
+            first = F.pad(docs[:, 1:] != docs[:, :-1], (1, 0))
+            g = g.masked_fill(first[..., None], -80.0)
         heads = (t.view(batch, seq, -1, width) for t, width in zip((q, k, v), (self.k_dim, self.k_dim, self.v_dim)))
         out, state = gated_delta(*heads, g, self.in_proj_b(x).to(wide).sigmoid(), state, self.k_dim ** -0.5)
         z = self.in_proj_z(x).view(batch, seq, self.v_heads, self.v_dim)
