@@ -35,7 +35,7 @@ def uses_fla(device_type: str) -> bool:
                 FAST_RULES[device_type] = chunk_gated_delta_rule
             except Exception as err:   # not installed, or an install that fails at import (its Triton, its einops)
                 warnings.warn(f"fla-core is not importable ({type(err).__name__}: {err}): Gated DeltaNet's delta rule "
-                              "runs the torch reference on the GPU, several times slower; pip install fla-core")
+                              "runs the torch reference on the GPU, ~60x slower (H200, seq 4096); pip install fla-core")
     return FAST_RULES[device_type] is not None
 
 
@@ -51,8 +51,8 @@ def gated_delta(q, k, v, g, beta, state, scale: float):
     take q, k and v as they come (bf16 in training) and keep the state in fp32; the reference computes in fp32
     (float64 for float64 inputs)."""
     if uses_fla(q.device.type):
-        return FAST_RULES[q.device.type](q, k, v, g, beta, scale=scale, initial_state=state, output_final_state=True,
-                      use_qk_l2norm_in_kernel=True)
+        return FAST_RULES[q.device.type](q, k, v, g, beta, scale=scale, initial_state=state,
+                                         output_final_state=True, use_qk_l2norm_in_kernel=True)
     wide = torch.promote_types(v.dtype, torch.float32)
     repeat = v.shape[2] // k.shape[2]
     q, k = (unit_length(t.to(wide)).repeat_interleave(repeat, dim=2) for t in (q, k))
