@@ -4,9 +4,10 @@ An MoE layer's stage 1 (attention_stage: norms, attention, router) is compiled; 
 dispatch / combine between them stay eager, because their shapes depend on the routing. Stage 5 (aggregate_stage:
 a residual add, or DeepSeek's shared experts too) runs eagerly too: a compiled call cost the host 0.22 ms for
 Qwen3's one add kernel on the H200, where the forward left the GPU waiting for the host (bench/RESULTS.md).
-A dense layer (is_moe False) is compiled whole. fullgraph=True makes a graph break an error
-instead of a silent slowdown, except in a stage that says it calls a kernel dynamo skips (layer.fullgraph False:
-Qwen3.5's fla-core delta rule, which its package marks torch.compiler.disable); dynamic=False because sequence length and batch are fixed in training.
+A dense layer (is_moe False) is compiled whole. fullgraph=True makes a graph break an error instead of a silent
+slowdown, except in a stage that says it calls a kernel dynamo skips (layer.fullgraph False: Qwen3.5's fla-core
+delta rule, which its package marks torch.compiler.disable); dynamic=False because sequence length and batch are
+fixed in training.
 Layers of one family share their compiled code: parameters are graph inputs, not constants.
 """
 import torch

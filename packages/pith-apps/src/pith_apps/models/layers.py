@@ -84,15 +84,18 @@ def rotary_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch
     return (angles.cos() * scale).to(dtype), (angles.sin() * scale).to(dtype)
 
 
+def document_starts(docs: torch.Tensor) -> torch.Tensor:
+    """[batch, seq] bool: the first token of each document (docs: each token's document index), a row's first too."""
+    return F.pad(docs[:, 1:] != docs[:, :-1], (1, 0), value=True)
+
+
 def token_positions(input_ids: torch.Tensor, docs: torch.Tensor | None) -> torch.Tensor:
     """[seq] positions, or with docs (the document index of each token, [batch, seq], non-decreasing along a
     sequence) each token's position within its own document, [batch, seq]."""
     index = torch.arange(input_ids.shape[1], device=input_ids.device)
     if docs is None:
         return index
-    starts = torch.ones_like(docs, dtype=torch.bool)
-    starts[:, 1:] = docs[:, 1:] != docs[:, :-1]
-    return index - torch.where(starts, index, 0).cummax(1).values
+    return index - torch.where(document_starts(docs), index, 0).cummax(1).values
 
 
 def visible(seq: int, device, docs: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:

@@ -21,7 +21,8 @@ from torch import nn
 
 from pith_apps.config import config_from_dict, qwen3_5_layer_types, require, text_config
 from pith_apps.models.layers import (CausalLM, Linear, MoeDecoderLayer, SwiGLUExperts, SwiGLUMLP, apply_rotary,
-                                     causal_attention, default_inv_freq, rope_parameters, rotary_cos_sin)
+                                     causal_attention, default_inv_freq, document_starts, rope_parameters,
+                                     rotary_cos_sin)
 from pith_engine.context_parallel import zigzag_scan
 from pith_engine.data_parallel import local_part, this_ranks_part
 from pith_engine.moe import LoadBalance, Routing
@@ -175,8 +176,7 @@ class GatedDeltaNet(nn.Module):
         wide = torch.promote_types(x.dtype, torch.float32)   # the decay and write strength in fp32 (or wider)
         g = -self.A_log.to(wide).exp() * F.softplus(self.in_proj_a(x).to(wide) + self.dt_bias)
         if docs is not None:   # a document's first token keeps e^-80 (below 1e-34) of the state before it: none
-            first = F.pad(docs[:, 1:] != docs[:, :-1], (1, 0))
-            g = g.masked_fill(first[..., None], -80.0)
+            g = g.masked_fill(document_starts(docs)[..., None], -80.0)
         heads = (t.view(batch, seq, -1, width) for t, width in zip((q, k, v), (self.k_dim, self.k_dim, self.v_dim)))
         out, state = gated_delta(*heads, g, self.in_proj_b(x).to(wide).sigmoid(), state, self.k_dim ** -0.5)
         z = self.in_proj_z(x).view(batch, seq, self.v_heads, self.v_dim)
