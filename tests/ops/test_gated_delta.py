@@ -1,7 +1,9 @@
 """The gated delta rule's chunked torch reference against the plain loop over tokens, and against transformers';
 fla-core's GPU kernels (the model's path on a GPU) against the reference; the warning when fla-core is missing."""
 import importlib.util
+import re
 import sys
+import types
 import warnings
 
 import pytest
@@ -62,6 +64,28 @@ def test_a_missing_fla_warns_once_for_the_gpu_and_never_for_the_cpu(monkeypatch)
         assert not rule.uses_fla("cuda") and not rule.uses_fla("cpu")
 
 
+@pytest.mark.parametrize("fixed_triton", [False, True])
+def test_fla_refusing_this_triton_on_hopper_is_found_before_training(monkeypatch, fixed_triton):
+    """fla-core 0.6's guard (Hopper, Triton 3.4 to 3.7.0, no TileLang: it raises at the first backward) read from
+    its flags at the first call: the reference and one warning naming the fix; with Triton 3.7.1, fla's kernels."""
+    chunk_o = types.SimpleNamespace(IS_NVIDIA_HOPPER=True, TRITON_ABOVE_3_4_0=True, TRITON_ABOVE_3_7_1=fixed_triton)
+    kernels = types.SimpleNamespace(chunk_gated_delta_rule=lambda *args, **kwargs: None)
+    for name, module in [("fla", types.SimpleNamespace()), ("fla.ops", types.SimpleNamespace()),
+                         ("fla.ops.common", types.SimpleNamespace(chunk_o=chunk_o)), ("fla.ops.common.chunk_o", chunk_o),
+                         ("fla.ops.gated_delta_rule", kernels)]:
+        monkeypatch.setitem(sys.modules, name, module)
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *rest: None if name == "tilelang" else find_spec(name, *rest))
+    monkeypatch.setattr(rule, "FAST_RULES", {})
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert rule.uses_fla("cuda") == fixed_triton
+    messages = [str(w.message) for w in seen if "fla-core" in str(w.message)]
+    assert len(messages) == (0 if fixed_triton else 1)
+    assert all(re.search(r"refuses Triton [0-9.]+ on Hopper.*3\.7\.1.*pip install tilelang", m) for m in messages)
+    assert rule.FAST_RULES["cuda"] is (kernels.chunk_gated_delta_rule if fixed_triton else None)
+
+
 def test_the_models_call_normalizes_repeats_key_heads_and_scales():
     """gated_delta's reference path: q and k to unit length, each key head given to two consecutive value heads, q
     scaled; the same as the chunked rule on inputs prepared by hand (float64, exact to rounding)."""
@@ -74,20 +98,24 @@ def test_the_models_call_normalizes_repeats_key_heads_and_scales():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="fla-core's Triton kernels run on CUDA (the device machine)")
-def test_fla_kernels_compute_the_reference_rule_and_its_gradients(monkeypatch):
+@pytest.mark.parametrize("resets", [(), (0, 130, 140, 600)])
+def test_fla_kernels_compute_the_reference_rule_and_its_gradients(monkeypatch, resets):
     """Qwen3.5-35B's head layout (16 key heads, 32 value heads, 128 x 128), 1000 tokens, bf16 q, k, v as training
     feeds them, fp32 decay, write strength and state: fla-core's output, final state and the gradients of all six
     inputs against the fp32 reference on the same bf16 values, relative error under 2e-2 (bf16's rounding of the
-    kernels' intermediates). fla-core refuses Triton 3.4-3.7.0 on Hopper (its issue 640: a miscompile at 64-wide
-    key blocks; 128-dim keys take 128-wide blocks there): lifted here, so this checks the kernels at the model's
-    shape on whatever Triton the machine has."""
+    kernels' intermediates). With resets, --doc-mask's log-decay of -80 at documents' first tokens, two of them in
+    one 64-token chunk. fla-core refuses Triton 3.4-3.7.0 on Hopper (its issue 640: a miscompile at 64-wide key
+    blocks; 128-dim keys take 128-wide blocks there): lifted here, so this checks the kernels at the model's shape
+    on whatever Triton the machine has."""
     chunk_o = pytest.importorskip("fla.ops.common.chunk_o")
     monkeypatch.setattr(chunk_o, "TRITON_ABOVE_3_7_1", True, raising=False)
+    monkeypatch.setattr(rule, "FAST_RULES", {})
     generator = torch.Generator(device="cuda").manual_seed(0)
     draw = lambda *shape, dtype=torch.float32: torch.randn(*shape, generator=generator, device="cuda").to(dtype)   # noqa: E731
     q, k, v = draw(1, 1000, 16, 128, dtype=torch.bfloat16), draw(1, 1000, 16, 128, dtype=torch.bfloat16), \
         draw(1, 1000, 32, 128, dtype=torch.bfloat16)
     g, beta, state = -F.softplus(draw(1, 1000, 32)) * 0.5, draw(1, 1000, 32).sigmoid(), draw(1, 32, 128, 128)
+    g[:, list(resets)] = -80.0
     weights = draw(1, 1000, 32, 128), draw(1, 32, 128, 128)
     assert rule.uses_fla("cuda")
     results = []

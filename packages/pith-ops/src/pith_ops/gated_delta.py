@@ -9,6 +9,7 @@ otherwise `chunked_gated_delta`, the torch reference the CPU runs and autograd d
 tokens the u_t solve one unit lower-triangular system, so a chunk is a few matrix products instead of C
 sequential steps. `recurrent_gated_delta` is the plain loop over tokens, the reference's own reference.
 """
+import importlib.util
 import warnings
 
 import torch
@@ -22,21 +23,38 @@ def unit_length(x):
 
 
 FAST_RULES = {}   # device type -> fla-core's chunk_gated_delta_rule, or None: the torch reference
+SLOWER = "Gated DeltaNet's delta rule runs the torch reference on the GPU, ~60x slower (H200, seq 4096)"
 
 
 def uses_fla(device_type: str) -> bool:
-    """Whether gated_delta runs fla-core's kernels for tensors on device_type: on "cuda" when fla-core imports
-    (else one warning), never elsewhere."""
+    """Whether gated_delta runs fla-core's kernels for tensors on device_type: on "cuda" when fla-core imports and
+    accepts this GPU's Triton (else one warning), never elsewhere."""
     if device_type not in FAST_RULES:
         FAST_RULES[device_type] = None
         if device_type == "cuda":
             try:
                 from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-                FAST_RULES[device_type] = chunk_gated_delta_rule
             except Exception as err:   # not installed, or an install that fails at import (its Triton, its einops)
-                warnings.warn(f"fla-core is not importable ({type(err).__name__}: {err}): Gated DeltaNet's delta rule "
-                              "runs the torch reference on the GPU, ~60x slower (H200, seq 4096); pip install fla-core")
+                warnings.warn(f"fla-core is not importable ({type(err).__name__}: {err}): {SLOWER}; "
+                              "pip install fla-core")
+                return False
+            if fla_refuses_this_triton():
+                import triton
+                warnings.warn(f"fla-core refuses Triton {triton.__version__} on Hopper GPUs (its issue 640: wrong "
+                              f"gradients from one backward kernel before Triton 3.7.1): {SLOWER}; upgrade Triton to "
+                              "3.7.1 or later (torch 2.12 or later), or pip install tilelang")
+                return False
+            FAST_RULES[device_type] = chunk_gated_delta_rule
     return FAST_RULES[device_type] is not None
+
+
+def fla_refuses_this_triton() -> bool:
+    """fla-core 0.6 raises at the first backward on a Hopper GPU with Triton 3.4 to 3.7.0 unless its TileLang backend
+    is installed: asked here, before training starts, from the flags its check reads."""
+    from fla.ops.common import chunk_o
+    guarded = getattr(chunk_o, "IS_NVIDIA_HOPPER", False) and getattr(chunk_o, "TRITON_ABOVE_3_4_0", False)
+    return bool(guarded and not getattr(chunk_o, "TRITON_ABOVE_3_7_1", True)
+                and importlib.util.find_spec("tilelang") is None)
 
 
 # torch.compile takes the answer as a constant: the mark torch.compiler.assume_constant_result sets, set without
