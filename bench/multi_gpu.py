@@ -9,6 +9,8 @@
 Run on the device machine from the repo root, with the three src folders on PYTHONPATH:
   python3 bench/multi_gpu.py --check --gpus 2 --family qwen3 --preset 30b-a3b --layers 4
   python3 bench/multi_gpu.py --gpus 8 --family qwen3 --preset 30b-a3b --layouts "--ep 8" "--ep 4 --dp 2"
+  python3 bench/multi_gpu.py --gpus 8 --layouts "--pp 2 --ep 4" "--pp 2 --ep 4 --no-overlap" -- --micro-batch-size 1
+           (what the pipeline's overlap of all-to-alls with computation buys)
 Anything after -- goes to the app (e.g. -- --micro-batch-size 2). --device cpu runs it all on CPU processes (gloo).
 Writes $OUT/multi_gpu.json when OUT is set.
 """

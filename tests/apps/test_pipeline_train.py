@@ -55,13 +55,17 @@ def pipeline_runs(rank, world, root):
 
 def pipeline_beside_other_parallelism(rank, world, root):
     """pp 2 x ep 2: steps 1-3, evaluated and saved at 3, each overlapped pair's forward and backward in turns at
-    their all-to-alls (counted: 3 steps, at least one pair each); pp 2 x dp 2 from the pp = 2 checkpoint of step
-    3 to 6."""
+    their all-to-alls (counted: 3 steps, at least one pair each), then the same with --no-overlap (no turn
+    passed); pp 2 x dp 2 from the pp = 2 checkpoint of step 3 to 6."""
     passes, pass_turn = [], Turns.pass_turn
     Turns.pass_turn = lambda turns: passes.append(turns.holder) or pass_turn(turns)
     losses = {"pp2ep2": train(root, "pp2ep2", "qwen3", 4, *QWEN3, "--pp", "2", "--ep", "2", "--steps", "3")}
-    Turns.pass_turn = pass_turn
     assert {0, 1} <= set(passes) and len(passes) >= 3 * 2, passes   # both sides passed the turn
+    passes.clear()
+    losses["pp2ep2-no-overlap"] = train(root, "pp2ep2-no-overlap", "qwen3", 4, *QWEN3, "--pp", "2", "--ep", "2",
+                                        "--steps", "3", "--no-overlap")
+    Turns.pass_turn = pass_turn
+    assert passes == []
     losses["pp2dp2-from-pp2"] = train(root, "pp2dp2-from-pp2", "qwen3", 4, *QWEN3, "--pp", "2", "--dp", "2", "--steps",
                                       "6", "--resume-from", str(root / "pp2" / "checkpoints" / "step-00000003"))
     if rank == 0:
@@ -93,9 +97,9 @@ def runs(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name,steps", [("pp2", slice(0, 6)), ("pp2-from-one", slice(3, 6)), ("pp2ep2", slice(0, 3)),
-                                        ("pp2dp2-from-pp2", slice(3, 6)), ("one-from-pp2ep2", slice(3, 6))])
+                                        ("pp2ep2-no-overlap", slice(0, 3)), ("pp2dp2-from-pp2", slice(3, 6)), ("one-from-pp2ep2", slice(3, 6))])
 def test_pipelines_and_resumes_across_layouts_log_the_one_process_losses(runs, name, steps):
-    """pp 2 on 2 processes, pp 2 x ep 2 and pp 2 x dp 2 (FSDP) on 4, resumes between them and one process;
+    """pp 2 on 2 processes, pp 2 x ep 2 (overlapped and not) and pp 2 x dp 2 (FSDP) on 4, resumes between them and one process;
     float32, the same terms summed in other orders: every logged loss within 1e-5 relative."""
     assert len(runs[name]) == len(range(6)[steps])
     for got, expected in zip(runs[name], runs["one"][steps]):

@@ -102,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--chunk-layers", help="With --pp P: the decoder layers of each of the 2P pipeline chunks, comma-separated "
         "(pipeline rank r holds chunks r and 2P-1-r; default: as even as possible, the spare layers nearest the "
         "turn of the V).")
+    add("--overlap", action=argparse.BooleanOptionalAction, help="With --pp and --ep: in each pipeline pair, the "
+        "forward and the backward take turns at their all-to-alls, so that one's exchange runs while the other "
+        "computes (default: on); --no-overlap runs them one after the other (what the overlap buys).")
     add("--save-every", type=int, default=100, help="Checkpoint every N steps and at the end; 0 saves nothing, for "
         "a measurement rather than a run to keep (default: 100).")
     add("--resume", action="store_true", help="Continue from the newest checkpoint in <out>/checkpoints.")
