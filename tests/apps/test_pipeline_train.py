@@ -147,6 +147,8 @@ def test_init_and_export_through_the_pipeline_are_the_one_process_ones(runs):
     (["--chunk-layers", "2,2"], r"^--chunk-layers='2,2' must be comma-separated layer counts \(e\.g\. 2,3,3,2\), "
                                 r"with --pp > 1 \(here --pp 1\)$"),
     (["--chunk-layers", "2;2"], r"^--chunk-layers='2;2' must be comma-separated"),
+    (["--pp", "2", "--no-overlap"], r"^--no-overlap is for a pipeline with expert parallelism, --pp > 1 and --ep > 1 "
+                                    r"\(here --pp 2 --ep 1\)$"),
 ])
 def test_bad_pipeline_flags_end_in_one_line(tmp_path, capsys, flags, message):
     with pytest.raises(SystemExit) as exit_info:

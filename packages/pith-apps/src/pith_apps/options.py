@@ -200,6 +200,8 @@ def check_args(args):
     require(args.chunk_layers is None or re.fullmatch(r"\d+(,\d+)*", args.chunk_layers) and args.pp > 1,
             f"--chunk-layers={args.chunk_layers!r} must be comma-separated layer counts (e.g. 2,3,3,2), with --pp > 1 "
             f"(here --pp {args.pp})")
+    require(args.overlap is None or args.pp > 1 and args.ep > 1, f"--{'' if args.overlap else 'no-'}overlap is for "
+            f"a pipeline with expert parallelism, --pp > 1 and --ep > 1 (here --pp {args.pp} --ep {args.ep})")
     if args.fp8:
         missing = fp8_missing(torch.device(args.device))
         require(missing is None, f"--fp8 cannot run here: {missing}; drop --fp8")
