@@ -24,8 +24,10 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 def grad_tolerance(family: str, name: str) -> float:
     """The float32 relative tolerance of parameter `name`'s gradient under a layout (or compiled) against one eager
     process: 1e-5, summation order alone. Qwen3.5's delta rule solves a triangular system per chunk, which amplifies
-    that rounding: 3e-5 for its parameters (1.1e-5 seen under dp 2 and cp 4), 3e-4 for its decay parameters A_log
-    and dt_bias, each a sum over every token of terms of both signs (3.4e-5 seen under cp 2, 1.4e-4 compiled)."""
+    that rounding: 3e-5 for its parameters (1.1e-5 seen under dp 2 and cp 4), 3e-4 for those of its decay,
+    A_log, dt_bias and in_proj_a, each gradient a sum over every token of terms of both signs (3.4e-5 seen under cp
+    2, 1.4e-4 compiled; in_proj_a 3.7e-5 under cp 4 over 528 tokens, the sequential hand-over of the state and the
+    affine scan alike)."""
     if family != "qwen3_5":
         return 1e-5
-    return 3e-4 if name.endswith(("A_log", "dt_bias")) else 3e-5
+    return 3e-4 if name.endswith(("A_log", "dt_bias", "in_proj_a.weight")) else 3e-5

@@ -15,6 +15,8 @@ from pith_engine.context_parallel import zigzag_part
 from pith_engine.parallel import Parallel
 
 SEQ = 48   # GPT-OSS's tiny sliding window of 32 spans chunk borders at cp 2 (chunks of 12) and 4 (chunks of 6)
+# Qwen3.5's zigzag chunks of 132 and 66 tokens each take more than one of the delta rule's 64-token chunks
+SEQ_OF = {"qwen3_5": 528}
 
 
 def tiny(family, parallel):
@@ -27,9 +29,9 @@ def tiny(family, parallel):
     return model
 
 
-def batch(vocab):
+def batch(vocab, seq):
     generator = torch.Generator().manual_seed(8)
-    ids = torch.randint(0, vocab, (2, SEQ + 1), generator=generator)
+    ids = torch.randint(0, vocab, (2, seq + 1), generator=generator)
     labels = ids[:, 1:].clone()
     labels[0, :5] = -100
     return ids[:, :-1], labels
@@ -39,7 +41,7 @@ def context_parallel_body(rank, world, families):
     parallel = Parallel.build(cp=world)
     for family in families:
         reference, model = tiny(family, Parallel()), tiny(family, parallel)
-        ids, labels = batch(reference.config.vocab_size)
+        ids, labels = batch(reference.config.vocab_size, SEQ_OF.get(family, SEQ))
         tokens = (labels != -100).sum()
         expected = reference.loss_sum(ids, labels) / tokens
         expected.backward()

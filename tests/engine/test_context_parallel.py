@@ -1,5 +1,6 @@
 """Ring attention over the zigzag layout (pith_engine.context_parallel) on gloo processes against the attention of
-the whole sequence on one: each rank's outputs, log-sum-exps and gradients are those of its positions."""
+the whole sequence on one: each rank's outputs, log-sum-exps and gradients are those of its positions; the scan
+of affine carries over the zigzag chunks against the same scan on one process."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -7,8 +8,8 @@ import torch.nn.functional as F
 
 from conftest import relative_error
 from distributed import run_on_processes
-from pith_engine.context_parallel import (block_attention, block_seen, merge_blocks, ring_attention, zigzag_block_mask,
-                                          zigzag_part, zigzag_positions)
+from pith_engine.context_parallel import (block_attention, block_seen, merge_blocks, ring_attention,
+                                          zigzag_affine_carries, zigzag_block_mask, zigzag_part, zigzag_positions)
 from pith_engine.parallel import LayoutError
 
 SEQ, HEADS, KV_HEADS, DIM, LATENT = 32, 4, 2, 8, 6
@@ -50,6 +51,31 @@ def ring_body(rank, world, window):
                                  ("q", q_grad, expected[2][:, :, mine]), ("latent", latent_grad, expected[3][:, mine]),
                                  ("up", up_grad, expected[4])]:
         assert relative_error(actual, wanted) < 1e-5, (rank, world, window, name)
+
+
+def affine_carries_body(rank, world):
+    generator = torch.Generator().manual_seed(4)
+    maps = torch.randn(2 * world, 2, 4, 3 + 4, generator=generator, dtype=torch.float64)   # every chunk's [B | A]
+    weights = torch.randn(2 * world, 2, 4, 3, generator=generator, dtype=torch.float64)
+    every = maps.clone().requires_grad_()
+    carry, expected = torch.zeros(2, 4, 3, dtype=torch.float64), []
+    for chunk in every:   # the scan on one process
+        expected.append(carry)
+        carry = chunk[..., 3:] @ carry + chunk[..., :3]
+    sum((c * w).sum() for c, w in zip(expected, weights)).backward()
+    chunks = (rank, 2 * world - 1 - rank)
+    mine = tuple(maps[c].clone().requires_grad_() for c in chunks)
+    carries = zigzag_affine_carries(mine, 3, dist.group.WORLD)
+    sum((carry * weights[c]).sum() for carry, c in zip(carries, chunks)).backward()   # the ranks' parts of one sum
+    for carry, leaf, c in zip(carries, mine, chunks):
+        assert relative_error(carry, expected[c]) < 1e-12 and relative_error(leaf.grad, every.grad[c]) < 1e-12
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_the_zigzag_scan_of_affine_carries_is_the_one_process_scan(cp):
+    """Random maps [B | A] (carry out = A @ carry in + B) of the 2cp chunks, float64: each rank's two carries in
+    and the gradients of its two maps (a loss summed over all ranks' carries) equal one process's scan, 1e-12."""
+    run_on_processes(cp, affine_carries_body)
 
 
 @pytest.mark.parametrize("window", [None, 6])

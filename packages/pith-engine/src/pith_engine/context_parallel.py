@@ -11,6 +11,10 @@ next block is in flight while the current one is computed. Each block returns it
 the caller's `expand` turns into keys and values (GQA's key-value heads, or MLA's compressed latent), and in the
 backward each block's gradient goes back to the rank it came from the way it came, each exchange in flight while
 the backward of the block before it is computed.
+
+A recurrence along the sequence whose carry out of a chunk is affine in the carry into it (the gated delta rule's
+state) runs every chunk at once: each rank gives its chunks' affine maps, every rank scans all 2cp of them
+(`zigzag_affine_carries`), and each chunk corrects its result for the carry it really starts from.
 """
 import functools
 
@@ -203,71 +207,42 @@ class _Tie(torch.autograd.Function):
         return grad, *(None for _ in ctx.needs_input_grad[1:])
 
 
-def zigzag_scan(step, parts: tuple, carry: torch.Tensor, group) -> tuple:
-    """A recurrence over the whole sequence under the zigzag layout: step(part, carry) -> (out, carry) run on the
-    sequence's 2cp chunks in order, where this cp rank holds parts = (chunk r, chunk 2cp-1-r). A chunk's carry in
-    is the carry out of the chunk before it, handed over by that chunk's rank: rank r-1 for an early chunk, rank
-    r+1 for a late one, the turn at rank cp-1 local. The ranks therefore run one after another, 0 to cp-1 and back
-    (a V), forward and, in reverse, backward. carry: the first chunk's (the same shape as every carry). Returns the
-    two parts' outputs."""
+def zigzag_gather(parts: tuple, group) -> list:
+    """Every zigzag chunk's tensor in sequence order, gathered from each cp rank's two (parts: chunk r's and chunk
+    2cp-1-r's, shaped alike on every rank). The backward sums each chunk's gradient over the ranks that used it and
+    hands it to the rank that gave the chunk."""
+    cp = dist.get_world_size(group)
+    every = _GatherAll.apply(torch.stack(parts), group)   # [cp, 2, ...]
+    return [every[c, 0] if c < cp else every[2 * cp - 1 - c, 1] for c in range(2 * cp)]
+
+
+def zigzag_affine_carries(maps: tuple, width: int, group) -> tuple:
+    """For a recurrence whose carry after a chunk is affine in the carry before it, out = A @ in + B, starting from
+    zeros: the carries into this rank's two zigzag chunks. maps: this rank's chunks' [B | A], each [..., n, width +
+    n] (B [..., n, width], A [..., n, n]). Every rank gathers all chunks' maps and runs the 2cp-step scan itself,
+    so no rank waits for another's chunk to finish."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
-    peer = functools.partial(dist.get_global_rank, group)
-    anchor = parts[0].flatten()[:0]   # joins a received carry to the graph, so that its backward sends the gradient
-    handed = []
-    if rank > 0:
-        carry = _Handed.apply(anchor, carry, peer(rank - 1))
-    first, carry = step(parts[0], carry)
-    if rank < cp - 1:
-        handed.append(_Handing.apply(carry, peer(rank + 1)))
-        carry = _Handed.apply(anchor, carry, peer(rank + 1))
-    second, carry = step(parts[1], carry)
-    if rank > 0:
-        handed.append(_Handing.apply(carry, peer(rank - 1)))
-    return first, _Join.apply(second, *handed)
+    carry, carries = None, []
+    for chunk in zigzag_gather(maps, group):
+        offset, transition = chunk.split([width, chunk.shape[-1] - width], dim=-1)
+        carries.append(torch.zeros_like(offset) if carry is None else carry)
+        carry = transition @ carries[-1] + offset
+    return carries[rank], carries[2 * cp - 1 - rank]
 
 
-class _Handing(torch.autograd.Function):
-    """Sends a carry to the next chunk's rank; the backward receives its gradient from there. Returns an empty
-    token for _Join: made after this rank's chunk, so the backward, latest-made first, waits for the gradient only
-    after the later chunk's backward has run."""
+class _GatherAll(torch.autograd.Function):
+    """[cp, *x.shape]: x of every rank of the group; the backward sums the gradient over the ranks and returns this
+    rank's slice of it."""
 
     @staticmethod
-    def forward(ctx, carry, to):
-        ctx.to, ctx.like = to, carry.detach()
-        dist.send(carry.detach().contiguous(), to)
-        return carry.new_empty(0)
-
-    @staticmethod
-    def backward(ctx, _):
-        grad = torch.empty_like(ctx.like, memory_format=torch.contiguous_format)
-        dist.recv(grad, ctx.to)
-        return grad, None
-
-
-class _Handed(torch.autograd.Function):
-    """The carry received from the previous chunk's rank (shaped like `like`); the backward sends its gradient
-    back there. `anchor`, an empty slice of this rank's input, puts it in the graph."""
-
-    @staticmethod
-    def forward(ctx, anchor, like, source):
-        ctx.source = source
-        received = torch.empty_like(like, memory_format=torch.contiguous_format)
-        dist.recv(received, source)
-        return received
+    def forward(ctx, x, group):
+        ctx.group = group
+        every = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(every, x.contiguous(), group=group)
+        return torch.stack(every)
 
     @staticmethod
     def backward(ctx, grad):
-        dist.send(grad.contiguous(), ctx.source)
-        return grad.new_empty(0), None, None
-
-
-class _Join(torch.autograd.Function):
-    """out, with the _Handing tokens in its graph, so that every hand-over takes part in the backward."""
-
-    @staticmethod
-    def forward(ctx, out, *tokens):
-        return out.view_as(out)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, *(grad.new_empty(0) for _ in ctx.needs_input_grad[1:])
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad[dist.get_rank(ctx.group)], None

@@ -8,7 +8,8 @@ pith_ops.gated_delta, a norm gated by silu(z)); every few is full attention with
 and rotary embeddings on the first quarter of each head. Every layer's MLP is the same MoE: softmax router, top-k
 renormalized, plus a shared expert scaled by sigmoid(shared_expert_gate(x)). The norms are zero-centered: they
 scale by 1 + weight, and their weights start at 0. Under context parallelism the full-attention layers use ring
-attention and the linear-attention layers hand their state from rank to rank in sequence order (zigzag_scan).
+attention; the linear-attention layers run every chunk at once from a zero state and then correct each for the
+state it starts from, found by a scan of all chunks' affine state maps (zigzag_affine_carries).
 
 Each decoder layer is cut into the stages of docs/architecture.md: attention_stage (norm, token mixer, router),
 expert_stage (grouped GEMM SwiGLU), aggregate_stage (the routed sum, the gated shared expert, the residual).
@@ -16,6 +17,7 @@ expert_stage (grouped GEMM SwiGLU), aggregate_stage (the routed sum, the gated s
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -23,7 +25,7 @@ from pith_apps.config import config_from_dict, qwen3_5_layer_types, require, tex
 from pith_apps.models.layers import (CausalLM, Linear, MoeDecoderLayer, SwiGLUExperts, SwiGLUMLP, apply_rotary,
                                      causal_attention, default_inv_freq, document_starts, rope_parameters,
                                      rotary_cos_sin)
-from pith_engine.context_parallel import zigzag_scan
+from pith_engine.context_parallel import zigzag_affine_carries, zigzag_gather
 from pith_engine.data_parallel import local_part, this_ranks_part
 from pith_engine.moe import LoadBalance, Routing
 from pith_engine.parallel import Parallel
@@ -131,46 +133,67 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_b = Linear(cfg.hidden_size, self.v_heads, bias=False)
         self.in_proj_a = Linear(cfg.hidden_size, self.v_heads, bias=False)
         self.conv1d = nn.Conv1d(channels, channels, cfg.linear_conv_kernel_dim, groups=channels, bias=False)
+        self.taps = cfg.linear_conv_kernel_dim
         self.dt_bias = nn.Parameter(torch.ones(self.v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.v_heads))
         self.norm = GatedRMSNorm(self.v_dim, cfg.rms_norm_eps)
         self.out_proj = Linear(self.v_heads * self.v_dim, cfg.hidden_size, bias=False)
 
     def forward(self, x, docs=None):
-        """Under context parallelism (x this rank's two zigzag chunks) the delta rule's state and the convolution's
-        last inputs pass from chunk to chunk in sequence order (pith_engine.context_parallel.zigzag_scan). With docs
-        ([batch, seq] document index of each token) each document starts from a zero state and its convolution
-        sees only its own tokens."""
-        state, tail = self.carry_at_start(x)
-        if self.ring is None or docs is not None:   # (the app refuses --doc-mask with --cp)
-            return self.mix(x, state, tail, docs)[0]
-        wide, sizes = state.dtype, [state.numel(), tail.numel()]
+        """With docs ([batch, seq] document index of each token) each document starts from a zero state and its
+        convolution sees only its own tokens."""
+        if self.ring is not None and docs is None:   # (the app refuses --doc-mask with --cp)
+            return self.zigzag_forward(x)
+        inputs = self.in_proj_qkv(x).transpose(1, 2)
+        q, k, v, g, beta = self.rule_inputs(x, inputs, inputs.new_zeros(*inputs.shape[:2], self.taps - 1), docs)
+        state = g.new_zeros(x.shape[0], self.v_heads, self.k_dim, self.v_dim)
+        return self.output(gated_delta(q, k, v, g, beta, state, self.k_dim ** -0.5)[0], x)
 
-        def step(part, carry):   # the carry: the state and the tail, flat in one tensor (one message)
-            out, state_out, tail_out = self.mix(part, *(t.view_as(like) for t, like in
-                                                        zip(carry.split(sizes), (state, tail))))
-            return out, torch.cat([state_out.flatten(), tail_out.to(wide).flatten()])
-        half = x.shape[1] // 2
-        carry = torch.cat([state.flatten(), tail.to(wide).flatten()])
-        return torch.cat(zigzag_scan(step, (x[:, :half], x[:, half:]), carry, self.ring), dim=1)
+    def zigzag_forward(self, x):
+        """Under context parallelism, x this rank's two zigzag chunks: the convolution reads the previous chunk's
+        last inputs (zigzag_gather), and the delta rule runs each chunk at once, its output then corrected for the
+        state the chunk starts from (zigzag_affine_carries)."""
+        half, cp, rank = x.shape[1] // 2, dist.get_world_size(self.ring), dist.get_rank(self.ring)
+        require(half >= self.taps - 1, f"under --cp {cp} each sequence chunk has {half} tokens, fewer than the "
+                f"convolution's {self.taps - 1} previous inputs; use a --seq-len of at least "
+                f"{2 * cp * (self.taps - 1)}")
+        parts = x[:, :half], x[:, half:]
+        inputs = [self.in_proj_qkv(part).transpose(1, 2) for part in parts]
+        last_inputs = zigzag_gather(tuple(i[..., half - self.taps + 1:] for i in inputs), self.ring)
+        outs, maps = [], []
+        for part, part_inputs, chunk in zip(parts, inputs, (rank, 2 * cp - 1 - rank)):
+            tail = torch.zeros_like(last_inputs[0]) if chunk == 0 else last_inputs[chunk - 1]
+            out, final = self.rule_from_unknown_state(*self.rule_inputs(part, part_inputs, tail))
+            outs.append(out)
+            maps.append(final)
+        starts = zigzag_affine_carries(tuple(maps), self.v_dim, self.ring)
+        corrected = [(zeroed.to(start.dtype) + torch.einsum("bshk,bhkv->bshv", seen.to(start.dtype), start))
+                     .to(zeroed.dtype) for (zeroed, seen), start in zip(outs, starts)]
+        return torch.cat([self.output(out, part) for out, part in zip(corrected, parts)], dim=1)
 
-    def carry_at_start(self, x):
-        """The delta rule's state (fp32 or wider) and the convolution's previous inputs before a sequence: zeros."""
-        state = x.new_zeros(x.shape[0], self.v_heads, self.k_dim, self.v_dim, dtype=torch.promote_types(x.dtype, torch.float32))
-        return state, x.new_zeros(x.shape[0], self.conv1d.weight.shape[0], self.conv1d.kernel_size[0] - 1)
+    def rule_from_unknown_state(self, q, k, v, g, beta):
+        """The delta rule over a chunk whose starting state S is not known yet. Both its output and its final
+        state are affine in S: o_0 + Q S and B + A S, with o_0 and B from a zero state and Q and A from the
+        identity with zero values; one call gives all four (values [v | 0] from the state [0 | I]). Returns
+        ((o_0, Q), [B | A])."""
+        batch, seq, heads, _ = v.shape
+        values = torch.cat([v, v.new_zeros(batch, seq, heads, self.k_dim)], dim=-1)
+        eye = torch.eye(self.k_dim, dtype=g.dtype, device=g.device).expand(batch, heads, -1, -1)
+        start = torch.cat([eye.new_zeros(batch, heads, self.k_dim, self.v_dim), eye], dim=-1)
+        out, final = gated_delta(q, k, values, g, beta, start, self.k_dim ** -0.5)
+        return out.split([self.v_dim, self.k_dim], dim=-1), final
 
-    def mix(self, x, state, tail, docs=None):
-        """(output, the delta rule's state after x, the convolution's input over x's last kernel - 1 tokens) for x
-        following `state` and `tail` (zeros at the sequence's start)."""
+    def rule_inputs(self, x, inputs, tail, docs=None):
+        """The delta rule's q, k, v (per head), log-decay g and write strength beta for x, given `inputs` (x's
+        convolution inputs, [batch, channels, seq]) and `tail` (the inputs of the taps - 1 tokens before x)."""
         batch, seq, _ = x.shape
-        mixed = torch.cat([tail.to(x.dtype), self.in_proj_qkv(x).transpose(1, 2)], dim=-1)
+        mixed = torch.cat([tail.to(inputs.dtype), inputs], dim=-1)
         if docs is None:
             conv = F.conv1d(mixed, self.conv1d.weight, groups=mixed.shape[1])
         else:   # tap i reads the token taps - 1 - i back, only when it is of the same document
-            taps = self.conv1d.kernel_size[0]
-            doc = F.pad(docs, (taps - 1, 0), value=-1)   # the tail (zeros) belongs to no document
+            doc = F.pad(docs, (self.taps - 1, 0), value=-1)   # the tail (zeros) belongs to no document
             conv = sum(self.conv1d.weight[:, :, i] * mixed[..., i:i + seq] * (doc[:, None, i:i + seq] == docs[:, None])
-                       for i in range(taps))
+                       for i in range(self.taps))
         q, k, v = F.silu(conv).transpose(1, 2).split(
             [self.k_heads * self.k_dim, self.k_heads * self.k_dim, self.v_heads * self.v_dim], dim=-1)
         wide = torch.promote_types(x.dtype, torch.float32)   # the decay and write strength in fp32 (or wider)
@@ -178,9 +201,12 @@ class GatedDeltaNet(nn.Module):
         if docs is not None:   # a document's first token keeps e^-80 (below 1e-34) of the state before it: none
             g = g.masked_fill(document_starts(docs)[..., None], -80.0)
         heads = (t.view(batch, seq, -1, width) for t, width in zip((q, k, v), (self.k_dim, self.k_dim, self.v_dim)))
-        out, state = gated_delta(*heads, g, self.in_proj_b(x).to(wide).sigmoid(), state, self.k_dim ** -0.5)
-        z = self.in_proj_z(x).view(batch, seq, self.v_heads, self.v_dim)
-        return self.out_proj(self.norm(out, z).reshape(batch, seq, -1)), state, mixed[..., seq:]
+        return *heads, g, self.in_proj_b(x).to(wide).sigmoid()
+
+    def output(self, out, x):
+        """out_proj(the rule's output, normed per head and gated by silu(z))."""
+        z = self.in_proj_z(x).view(*out.shape)
+        return self.out_proj(self.norm(out, z).reshape(*x.shape[:2], -1))
 
 
 class GatedAttention(nn.Module):
