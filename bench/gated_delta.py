@@ -3,6 +3,8 @@ one 4096-token sequence: forward + backward time and peak memory of each way to 
 
   fla        fla-core's chunked Triton kernels, as pith_ops.gated_delta calls them (bf16 q, k, v; fp32 state), with
              the relative error of its output, final state and six gradients against the fp32 reference
+  fla-widened  the same with the values widened by zeros and the state started from [0 | I]: the call Qwen3.5's
+             layers make under --cp (GatedDeltaNet.rule_from_unknown_state), its errors likewise
   reference  pith_ops.gated_delta's torch reference (chunked_gated_delta, fp32, eager)
   compiled   the same reference under torch.compile
 
@@ -33,13 +35,17 @@ def measure(way: str, seq: int, lift_guard: bool) -> dict:
     from pith_ops import gated_delta as rule
     torch.manual_seed(0)
     draw = lambda *shape: torch.randn(*shape, device="cuda")   # noqa: E731
-    dtype = torch.bfloat16 if way == "fla" else torch.float32
+    fla = way.startswith("fla")
+    dtype = torch.bfloat16 if fla else torch.float32
     leaves = [draw(1, seq, 16, 128).to(dtype), draw(1, seq, 16, 128).to(dtype), draw(1, seq, 32, 128).to(dtype),
               -F.softplus(draw(1, seq, 32)) * 0.5, draw(1, seq, 32).sigmoid(), torch.zeros(1, 32, 128, 128, device="cuda")]
+    if way == "fla-widened":
+        leaves[2] = torch.cat([leaves[2], torch.zeros_like(leaves[2])], dim=-1)
+        leaves[5] = torch.cat([leaves[5], torch.eye(128, device="cuda").expand(1, 32, 128, 128)], dim=-1)
     if lift_guard:
         lift_fla_hopper_guard()
     rule.uses_fla("cuda")
-    if way != "fla":
+    if not fla:
         rule.FAST_RULES["cuda"] = None
     run = torch.compile(rule.gated_delta) if way == "compiled" else rule.gated_delta
 
@@ -54,7 +60,7 @@ def measure(way: str, seq: int, lift_guard: bool) -> dict:
     ms = do_bench(lambda: step(leaves), warmup=5, rep=50)
     row = dict(way=way, seq=seq, ms=round(ms, 3), peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
                rule=str(rule.FAST_RULES["cuda"]))
-    if way == "fla":
+    if fla:
         rule.FAST_RULES["cuda"] = None
         reference = step([t.float() if t.dtype == torch.bfloat16 else t for t in leaves])
         row["relative_errors"] = [f"{((a.double() - b.double()).norm() / b.double().norm()).item():.2e}"
@@ -65,7 +71,7 @@ def measure(way: str, seq: int, lift_guard: bool) -> dict:
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--seq", type=int, default=4096)
-    parser.add_argument("--ways", nargs="+", default=["fla", "reference", "compiled"])
+    parser.add_argument("--ways", nargs="+", default=["fla", "fla-widened", "reference", "compiled"])
     parser.add_argument("--lift-fla-guard", action="store_true", help="run fla-core on a Hopper GPU with Triton "
                         "3.4-3.7.0, which it refuses (lift_fla_hopper_guard)")
     parser.add_argument("--one", help=argparse.SUPPRESS)

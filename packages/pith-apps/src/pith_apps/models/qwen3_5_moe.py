@@ -144,8 +144,7 @@ class GatedDeltaNet(nn.Module):
         convolution sees only its own tokens."""
         if self.ring is not None and docs is None:   # (the app refuses --doc-mask with --cp)
             return self.zigzag_forward(x)
-        inputs = self.in_proj_qkv(x).transpose(1, 2)
-        q, k, v, g, beta = self.rule_inputs(x, inputs, inputs.new_zeros(*inputs.shape[:2], self.taps - 1), docs)
+        q, k, v, g, beta = self.rule_inputs(x, self.in_proj_qkv(x).transpose(1, 2), docs=docs)
         state = g.new_zeros(x.shape[0], self.v_heads, self.k_dim, self.v_dim)
         return self.output(gated_delta(q, k, v, g, beta, state, self.k_dim ** -0.5)[0], x)
 
@@ -160,15 +159,11 @@ class GatedDeltaNet(nn.Module):
         parts = x[:, :half], x[:, half:]
         inputs = [self.in_proj_qkv(part).transpose(1, 2) for part in parts]
         last_inputs = zigzag_gather(tuple(i[..., half - self.taps + 1:] for i in inputs), self.ring)
-        outs, maps = [], []
-        for part, part_inputs, chunk in zip(parts, inputs, (rank, 2 * cp - 1 - rank)):
-            tail = torch.zeros_like(last_inputs[0]) if chunk == 0 else last_inputs[chunk - 1]
-            out, final = self.rule_from_unknown_state(*self.rule_inputs(part, part_inputs, tail))
-            outs.append(out)
-            maps.append(final)
-        starts = zigzag_affine_carries(tuple(maps), self.v_dim, self.ring)
+        tails = [last_inputs[chunk - 1] if chunk else None for chunk in (rank, 2 * cp - 1 - rank)]
+        runs = [self.rule_from_unknown_state(*self.rule_inputs(*part)) for part in zip(parts, inputs, tails)]
+        starts = zigzag_affine_carries(tuple(final for _, final in runs), self.v_dim, self.ring)
         corrected = [(zeroed.to(start.dtype) + torch.einsum("bshk,bhkv->bshv", seen.to(start.dtype), start))
-                     .to(zeroed.dtype) for (zeroed, seen), start in zip(outs, starts)]
+                     .to(zeroed.dtype) for ((zeroed, seen), _), start in zip(runs, starts)]
         return torch.cat([self.output(out, part) for out, part in zip(corrected, parts)], dim=1)
 
     def rule_from_unknown_state(self, q, k, v, g, beta):
@@ -183,11 +178,13 @@ class GatedDeltaNet(nn.Module):
         out, final = gated_delta(q, k, values, g, beta, start, self.k_dim ** -0.5)
         return out.split([self.v_dim, self.k_dim], dim=-1), final
 
-    def rule_inputs(self, x, inputs, tail, docs=None):
+    def rule_inputs(self, x, inputs, tail=None, docs=None):
         """The delta rule's q, k, v (per head), log-decay g and write strength beta for x, given `inputs` (x's
-        convolution inputs, [batch, channels, seq]) and `tail` (the inputs of the taps - 1 tokens before x)."""
+        convolution inputs, [batch, channels, seq]) and `tail` (the inputs of the taps - 1 tokens before x; None:
+        x starts the sequence)."""
         batch, seq, _ = x.shape
-        mixed = torch.cat([tail.to(inputs.dtype), inputs], dim=-1)
+        tail = inputs.new_zeros(*inputs.shape[:2], self.taps - 1) if tail is None else tail
+        mixed = torch.cat([tail, inputs], dim=-1)
         if docs is None:
             conv = F.conv1d(mixed, self.conv1d.weight, groups=mixed.shape[1])
         else:   # tap i reads the token taps - 1 - i back, only when it is of the same document
