@@ -65,7 +65,7 @@ def test_a_missing_fla_warns_once_for_the_gpu_and_never_for_the_cpu(monkeypatch)
 
 
 @pytest.mark.parametrize("fixed_triton", [False, True])
-def test_fla_refusing_this_triton_on_hopper_is_found_before_training(monkeypatch, fixed_triton):
+def test_fla_refusing_this_triton_on_hopper_is_found_at_the_first_call(monkeypatch, fixed_triton):
     """fla-core 0.6's guard (Hopper, Triton 3.4 to 3.7.0, no TileLang: it raises at the first backward) read from
     its flags at the first call: the reference and one warning naming the fix; with Triton 3.7.1, fla's kernels."""
     chunk_o = types.SimpleNamespace(IS_NVIDIA_HOPPER=True, TRITON_ABOVE_3_4_0=True, TRITON_ABOVE_3_7_1=fixed_triton)

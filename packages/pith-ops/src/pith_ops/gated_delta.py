@@ -50,7 +50,7 @@ def uses_fla(device_type: str) -> bool:
 
 def fla_refuses_this_triton() -> bool:
     """fla-core 0.6 raises at the first backward on a Hopper GPU with Triton 3.4 to 3.7.0 unless its TileLang backend
-    is installed: asked here, before training starts, from the flags its check reads."""
+    is installed: asked at the rule's first call (a forward, before any backward), from the flags its check reads."""
     from fla.ops.common import chunk_o
     guarded = getattr(chunk_o, "IS_NVIDIA_HOPPER", False) and getattr(chunk_o, "TRITON_ABOVE_3_4_0", False)
     return bool(guarded and not getattr(chunk_o, "TRITON_ABOVE_3_7_1", True)
