@@ -224,7 +224,8 @@ def train_on(args, cfg, parallel: Parallel, device: torch.device, data, folder, 
     model = build_model(MODELS[args.model][1], cfg, parallel, device, dtype, args.seed, args.seq_len, args.balance,
                         micro_batches, held)
     if parallel.pp > 1:
-        pipeline = Pipeline(model, parallel, dtype, chunks, defer_wgrad=True, overlap=parallel.ep > 1 and args.overlap is not False)
+        pipeline = Pipeline(model, parallel, dtype, chunks, defer_wgrad=True,
+                            overlap=parallel.ep > 1 and args.overlap is not False)   # --no-overlap: one side at a time
     if args.init and not resume_from:   # a resumed run's weights come from its checkpoint
         init_from_hf(args, parallel, model, folder)
     optimizer, graph = prepare_step(args, parallel, device, model)

@@ -207,6 +207,12 @@ class _Tie(torch.autograd.Function):
         return grad, *(None for _ in ctx.needs_input_grad[1:])
 
 
+def zigzag_chunks(group) -> tuple[int, int]:
+    """The sequence indices of this cp rank's two zigzag chunks: r and 2cp-1-r."""
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    return rank, 2 * cp - 1 - rank
+
+
 def zigzag_gather(parts: tuple, group) -> list:
     """Every zigzag chunk's tensor in sequence order, gathered from each cp rank's two (parts: chunk r's and chunk
     2cp-1-r's, shaped alike on every rank). The backward sums each chunk's gradient over the ranks that used it and
@@ -216,18 +222,24 @@ def zigzag_gather(parts: tuple, group) -> list:
     return [every[c, 0] if c < cp else every[2 * cp - 1 - c, 1] for c in range(2 * cp)]
 
 
-def zigzag_affine_carries(maps: tuple, width: int, group) -> tuple:
+def zigzag_previous(parts: tuple, group) -> list:
+    """For each of this rank's two zigzag chunks, the tensor the chunk before it gave (parts as for zigzag_gather);
+    None for the sequence's first chunk."""
+    every = zigzag_gather(parts, group)
+    return [every[chunk - 1] if chunk else None for chunk in zigzag_chunks(group)]
+
+
+def zigzag_affine_carries(maps: tuple, width: int, group) -> list:
     """For a recurrence whose carry after a chunk is affine in the carry before it, out = A @ in + B, starting from
     zeros: the carries into this rank's two zigzag chunks. maps: this rank's chunks' [B | A], each [..., n, width +
     n] (B [..., n, width], A [..., n, n]). Every rank gathers all chunks' maps and runs the 2cp-step scan itself,
     so no rank waits for another's chunk to finish."""
-    cp, rank = dist.get_world_size(group), dist.get_rank(group)
     carry, carries = None, []
     for chunk in zigzag_gather(maps, group):
         offset, transition = chunk.split([width, chunk.shape[-1] - width], dim=-1)
         carries.append(torch.zeros_like(offset) if carry is None else carry)
         carry = transition @ carries[-1] + offset
-    return carries[rank], carries[2 * cp - 1 - rank]
+    return [carries[chunk] for chunk in zigzag_chunks(group)]
 
 
 class _GatherAll(torch.autograd.Function):

@@ -17,7 +17,6 @@ expert_stage (grouped GEMM SwiGLU), aggregate_stage (the routed sum, the gated s
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -25,7 +24,7 @@ from pith_apps.config import config_from_dict, qwen3_5_layer_types, require, tex
 from pith_apps.models.layers import (CausalLM, Linear, MoeDecoderLayer, SwiGLUExperts, SwiGLUMLP, apply_rotary,
                                      causal_attention, default_inv_freq, document_starts, rope_parameters,
                                      rotary_cos_sin)
-from pith_engine.context_parallel import zigzag_affine_carries, zigzag_gather
+from pith_engine.context_parallel import zigzag_affine_carries, zigzag_previous
 from pith_engine.data_parallel import local_part, this_ranks_part
 from pith_engine.moe import LoadBalance, Routing
 from pith_engine.parallel import Parallel
@@ -150,16 +149,14 @@ class GatedDeltaNet(nn.Module):
 
     def zigzag_forward(self, x):
         """Under context parallelism, x this rank's two zigzag chunks: the convolution reads the previous chunk's
-        last inputs (zigzag_gather), and the delta rule runs each chunk at once, its output then corrected for the
+        last inputs (zigzag_previous), and the delta rule runs each chunk at once, its output then corrected for the
         state the chunk starts from (zigzag_affine_carries)."""
-        half, cp, rank = x.shape[1] // 2, dist.get_world_size(self.ring), dist.get_rank(self.ring)
-        require(half >= self.taps - 1, f"under --cp {cp} each sequence chunk has {half} tokens, fewer than the "
-                f"convolution's {self.taps - 1} previous inputs; use a --seq-len of at least "
-                f"{2 * cp * (self.taps - 1)}")
+        half = x.shape[1] // 2
+        require(half >= self.taps - 1, f"under --cp each sequence chunk has {half} tokens, fewer than the "
+                f"convolution's {self.taps - 1} previous inputs; use a --seq-len of at least 2 x cp x {self.taps - 1}")
         parts = x[:, :half], x[:, half:]
         inputs = [self.in_proj_qkv(part).transpose(1, 2) for part in parts]
-        last_inputs = zigzag_gather(tuple(i[..., half - self.taps + 1:] for i in inputs), self.ring)
-        tails = [last_inputs[chunk - 1] if chunk else None for chunk in (rank, 2 * cp - 1 - rank)]
+        tails = zigzag_previous(tuple(i[..., half - self.taps + 1:] for i in inputs), self.ring)
         runs = [self.rule_from_unknown_state(*self.rule_inputs(*part)) for part in zip(parts, inputs, tails)]
         starts = zigzag_affine_carries(tuple(final for _, final in runs), self.v_dim, self.ring)
         corrected = [(zeroed.to(start.dtype) + torch.einsum("bshk,bhkv->bshv", seen.to(start.dtype), start))
