@@ -26,7 +26,7 @@ from pith_engine.dualpipev import chunk_layers, held_layers, schedule
 from pith_engine.parallel import LayoutError, Parallel
 
 GIB = 2**30
-LOSS_CHUNK = 1024   # tokens per chunk of pith_ops.cross_entropy.linear_cross_entropy
+LOSS_CHUNK = 4096   # tokens per chunk of pith_ops.cross_entropy.linear_cross_entropy
 
 
 def activations_per_token(hf: dict, layer: int, width: int) -> tuple[float, float]:
@@ -191,7 +191,7 @@ def estimate(args) -> list[dict]:
             row["compute_copies"] = width * (n["root"] + 2 * n["gathered"])
             row["transient"] = 4 * n["gathered"]
         if head:
-            row["transient"] += min(tokens, LOSS_CHUNK) * cfg.vocab_size * 8   # fp32 logits and their gradient
+            row["transient"] += min(tokens, LOSS_CHUNK) * cfg.vocab_size * width   # logits, overwritten by their gradient
         held_through = row["weights"] + row["optimizer"] + row["compute_copies"] + row["fp8_cache"]
         grads = row["gradients"] if micro_batches > 1 or plan.world > 1 else 0   # one micro-batch: they replace copies
         row["peak"] = max(row["weights"] + row["gradients"] + row["optimizer"],   # at the optimizer step
