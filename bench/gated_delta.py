@@ -3,8 +3,8 @@ one 4096-token sequence: forward + backward time and peak memory of each way to 
 
   fla        fla-core's chunked Triton kernels, as pith_ops.gated_delta calls them (bf16 q, k, v; fp32 state), with
              the relative error of its output, final state and six gradients against the fp32 reference
-  fla-widened  the same with the values widened by zeros and the state started from [0 | I]: the call Qwen3.5's
-             layers make under --cp (GatedDeltaNet.rule_from_unknown_state), its errors likewise
+  fla-widened  the same through gated_delta_from_unknown_state (values widened by zeros, the state started from
+             [0 | I]): the call Qwen3.5's layers make under --cp, its errors likewise
   reference  pith_ops.gated_delta's torch reference (chunked_gated_delta, fp32, eager)
   compiled   the same reference under torch.compile
 
@@ -39,15 +39,18 @@ def measure(way: str, seq: int, lift_guard: bool) -> dict:
     dtype = torch.bfloat16 if fla else torch.float32
     leaves = [draw(1, seq, 16, 128).to(dtype), draw(1, seq, 16, 128).to(dtype), draw(1, seq, 32, 128).to(dtype),
               -F.softplus(draw(1, seq, 32)) * 0.5, draw(1, seq, 32).sigmoid(), torch.zeros(1, 32, 128, 128, device="cuda")]
-    if way == "fla-widened":
-        leaves[2] = torch.cat([leaves[2], torch.zeros_like(leaves[2])], dim=-1)
-        leaves[5] = torch.cat([leaves[5], torch.eye(128, device="cuda").expand(1, 32, 128, 128)], dim=-1)
+    if way == "fla-widened":   # no starting state: the call gives the output and final state for any
+        leaves = leaves[:5]
     if lift_guard:
         lift_fla_hopper_guard()
     rule.uses_fla("cuda")
     if not fla:
         rule.FAST_RULES["cuda"] = None
-    run = torch.compile(rule.gated_delta) if way == "compiled" else rule.gated_delta
+
+    def widened(*inputs, scale):
+        (zeroed, seen), final = rule.gated_delta_from_unknown_state(*inputs, scale)
+        return torch.cat([zeroed, seen], dim=-1), final
+    run = widened if way == "fla-widened" else torch.compile(rule.gated_delta) if way == "compiled" else rule.gated_delta
 
     def step(inputs):
         inputs = [t.detach().requires_grad_() for t in inputs]

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 
 from conftest import relative_error
 from pith_ops import gated_delta as rule
-from pith_ops.gated_delta import chunked_gated_delta, gated_delta, recurrent_gated_delta, unit_length
+from pith_ops.gated_delta import (chunked_gated_delta, gated_delta, gated_delta_from_unknown_state, recurrent_gated_delta,
+                                  unit_length)
 
 
 def delta_inputs(dtype, batch=2, seq=150, heads=3, d_k=16, d_v=24, seed=0):
@@ -96,6 +97,17 @@ def test_the_models_call_normalizes_repeats_key_heads_and_scales():
     reference, reference_state = chunked_gated_delta(by_hand[0] * 0.3, by_hand[1], v, g, beta, state)
     assert relative_error(ours, reference) < 1e-12 and relative_error(our_state, reference_state) < 1e-12
 
+
+def test_from_an_unknown_state_the_output_and_final_state_are_its_affine_maps():
+    """gated_delta_from_unknown_state's ((o_0, Q), [B | A]) applied to a state S: o_0 + Q S and B + A S are the
+    rule's output and final state from S (float64, exact to rounding; d_k != d_v, two value heads per key head)."""
+    q, k = (torch.randn(2, 70, 2, 16, dtype=torch.float64) for _ in range(2))
+    v, g, beta, state = delta_inputs(torch.float64, seq=70, heads=4)[2:]
+    (zeroed, seen), final = gated_delta_from_unknown_state(q, k, v, g, beta, scale=0.3)
+    offset, transition = final.split([v.shape[-1], k.shape[-1]], dim=-1)
+    out, out_state = gated_delta(q, k, v, g, beta, state, scale=0.3)
+    assert relative_error(zeroed + torch.einsum("bshk,bhkv->bshv", seen, state), out) < 1e-12
+    assert relative_error(offset + transition @ state, out_state) < 1e-12
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="fla-core's Triton kernels run on CUDA (the device machine)")
 @pytest.mark.parametrize("resets", [(), (0, 130, 140, 600)])

@@ -136,8 +136,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     ignore_index marking tokens that count for nothing. Gradients flow to hidden and weight. chunk_size tokens'
     logits at a time: 4096 (a 4096-token sequence whole, 1.2 GB of bf16 logits at Qwen3's vocabulary; one LM-head
     GEMM of each kind instead of four, the weight gradient written once instead of accumulated four times) trained
-    the three families 1.8-3.6% faster than 1024 on the H200, for 0.4-0.8 GiB more peak memory (bench/RESULTS.md). The Triton
-    kernels run on CUDA tensors (or when use_kernel=True, e.g. under TRITON_INTERPRET=1); there a weight
+    the three families 1.8-3.6% faster than 1024 on the H200, for 0.4-0.8 GiB more peak memory (bench/RESULTS.md).
+    The Triton kernels run on CUDA tensors (or when use_kernel=True, e.g. under TRITON_INTERPRET=1); there a weight
     that carries `grad_into` (a compute copy of a master parameter, or a parameter naming itself) gets no
     gradient through autograd: its gradient is added into grad_into.grad. An out-of-range label is a ValueError,
     except while a CUDA graph is being captured.

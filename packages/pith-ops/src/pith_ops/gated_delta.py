@@ -78,6 +78,19 @@ def gated_delta(q, k, v, g, beta, state, scale: float):
     return out.to(v.dtype), state
 
 
+def gated_delta_from_unknown_state(q, k, v, g, beta, scale: float):
+    """gated_delta over a chunk whose starting state S is not known yet (a context-parallel chunk). Its output and
+    final state are affine in S: o_0 + Q S and B + A S, with o_0 and B from a zero state and Q and A from the
+    identity with zero values; one call gives all four (values [v | 0] from the state [0 | I]). Returns
+    ((o_0, Q), [B | A])."""
+    batch, seq, heads, d_v = v.shape
+    d_k = k.shape[-1]
+    values = torch.cat([v, v.new_zeros(batch, seq, heads, d_k)], dim=-1)
+    eye = torch.eye(d_k, dtype=g.dtype, device=g.device).expand(batch, heads, -1, -1)
+    start = torch.cat([eye.new_zeros(batch, heads, d_k, d_v), eye], dim=-1)
+    out, final = gated_delta(q, k, values, g, beta, start, scale)
+    return out.split([d_v, d_k], dim=-1), final
+
 def recurrent_gated_delta(q, k, v, g, beta, state=None):
     """q, k [batch, seq, heads, d_k], v [batch, seq, heads, d_v], g and beta [batch, seq, heads], state [batch,
     heads, d_k, d_v] (default zeros) -> (o [batch, seq, heads, d_v], the final state)."""

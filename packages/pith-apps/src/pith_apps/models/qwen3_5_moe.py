@@ -28,7 +28,7 @@ from pith_engine.context_parallel import zigzag_affine_carries, zigzag_previous
 from pith_engine.data_parallel import local_part, this_ranks_part
 from pith_engine.moe import LoadBalance, Routing
 from pith_engine.parallel import Parallel
-from pith_ops.gated_delta import gated_delta
+from pith_ops.gated_delta import gated_delta, gated_delta_from_unknown_state
 
 LAYER_KINDS = ("linear_attention", "full_attention")
 
@@ -157,23 +157,12 @@ class GatedDeltaNet(nn.Module):
         parts = x[:, :half], x[:, half:]
         inputs = [self.in_proj_qkv(part).transpose(1, 2) for part in parts]
         tails = zigzag_previous(tuple(i[..., half - self.taps + 1:] for i in inputs), self.ring)
-        runs = [self.rule_from_unknown_state(*self.rule_inputs(*part)) for part in zip(parts, inputs, tails)]
+        runs = [gated_delta_from_unknown_state(*self.rule_inputs(*part), self.k_dim ** -0.5)
+                for part in zip(parts, inputs, tails)]
         starts = zigzag_affine_carries(tuple(final for _, final in runs), self.v_dim, self.ring)
         corrected = [(zeroed.to(start.dtype) + torch.einsum("bshk,bhkv->bshv", seen.to(start.dtype), start))
                      .to(zeroed.dtype) for ((zeroed, seen), _), start in zip(runs, starts)]
         return torch.cat([self.output(out, part) for out, part in zip(corrected, parts)], dim=1)
-
-    def rule_from_unknown_state(self, q, k, v, g, beta):
-        """The delta rule over a chunk whose starting state S is not known yet. Both its output and its final
-        state are affine in S: o_0 + Q S and B + A S, with o_0 and B from a zero state and Q and A from the
-        identity with zero values; one call gives all four (values [v | 0] from the state [0 | I]). Returns
-        ((o_0, Q), [B | A])."""
-        batch, seq, heads, _ = v.shape
-        values = torch.cat([v, v.new_zeros(batch, seq, heads, self.k_dim)], dim=-1)
-        eye = torch.eye(self.k_dim, dtype=g.dtype, device=g.device).expand(batch, heads, -1, -1)
-        start = torch.cat([eye.new_zeros(batch, heads, self.k_dim, self.v_dim), eye], dim=-1)
-        out, final = gated_delta(q, k, values, g, beta, start, self.k_dim ** -0.5)
-        return out.split([self.v_dim, self.k_dim], dim=-1), final
 
     def rule_inputs(self, x, inputs, tail=None, docs=None):
         """The delta rule's q, k, v (per head), log-decay g and write strength beta for x, given `inputs` (x's
