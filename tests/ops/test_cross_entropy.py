@@ -38,10 +38,14 @@ def test_matches_reference_loss_and_gradients(tokens, chunk_size, vocab, dtype, 
     assert torch.all(grad_h[labels == -100] == 0)
 
 
+@pytest.mark.parametrize("chunk_size", [16, 64])
 @pytest.mark.parametrize("master_dtype", [torch.float32, torch.bfloat16])
-def test_a_weight_naming_its_master_adds_two_micro_batches_into_the_masters_grad(master_dtype):
+def test_a_weight_naming_its_master_adds_two_micro_batches_into_the_masters_grad(master_dtype, chunk_size):
     """The mixed-precision path (a bf16 copy naming its fp32 master) and the bf16 one (a parameter naming
-    itself): the scaled gradient of each backward lands in the master's .grad, none in the copy's."""
+    itself): the scaled gradient of each backward lands in the master's .grad, none in the copy's. 40 tokens:
+    in 3 chunks (the first two's weight gradient summed in the forward and scaled into .grad, the last's added
+    in the backward) and in one (only the backward's product, into a .grad that is not there yet, then into the
+    first micro-batch's)."""
     generator = torch.Generator().manual_seed(0)
     master = (torch.randn(300, 16, generator=generator) * 0.5).to(KERNEL_DEVICE, master_dtype).requires_grad_()
     copy = master.detach().to(torch.bfloat16).requires_grad_()
@@ -49,7 +53,7 @@ def test_a_weight_naming_its_master_adds_two_micro_batches_into_the_masters_grad
     hiddens = [torch.randn(40, 16, generator=generator).to(torch.bfloat16) for _ in range(2)]
     labels = [torch.randint(0, 300, (40,), generator=generator) for _ in range(2)]
     for hidden, label in zip(hiddens, labels):
-        (linear_cross_entropy(hidden.to(KERNEL_DEVICE), copy, label.to(KERNEL_DEVICE), chunk_size=16,
+        (linear_cross_entropy(hidden.to(KERNEL_DEVICE), copy, label.to(KERNEL_DEVICE), chunk_size=chunk_size,
                               use_kernel=True) * 0.25).backward()
     reference = master.detach().cpu().float().requires_grad_()
     for hidden, label in zip(hiddens, labels):

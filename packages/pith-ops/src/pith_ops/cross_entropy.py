@@ -1,12 +1,15 @@
 """LM head + cross-entropy without the full [tokens, vocab] logits.
 
 Tokens are processed in chunks: each chunk's logits are turned into its loss and, in the same pass,
-into the gradients of the hidden states and of the head weight (softmax minus one-hot), then dropped.
-Backward only scales the stored gradients by the incoming scalar, so the logits are never recomputed;
-a weight that names a parameter as `grad_into` has its scaled gradient added straight into that
-parameter's .grad (fp32 for master weights) in the same pass, where the kernels run.
-For 4096 tokens and a 151,936 vocabulary the fp32 logits alone would be 2.5 GB; here the peak is one
-chunk of logits in the compute dtype plus the weight gradient.
+into the gradient of the logits (softmax minus one-hot, written over them), from which the hidden states'
+gradient is computed at once; the logits are never recomputed. The head weight's gradient of every chunk but
+the last is summed in the forward; the last chunk's logits gradient is kept for the backward, which computes
+its weight gradient with the incoming scalar folded into the chunk's hidden rows: with one chunk (a 4096-token
+micro-batch at the default) no vocab-sized product is written and then scaled. A weight that names a
+parameter as `grad_into` has its gradient added straight into that parameter's .grad (fp32 for master
+weights), where the kernels run. For 4096 tokens and a 151,936 vocabulary the fp32 logits alone would be
+2.5 GB; here the peak is one chunk of logits in the compute dtype, plus the weight gradient's sum when there
+are several chunks.
 
 On CUDA one Triton kernel per chunk reads the logits twice (online log-sum-exp, then the softmax
 gradient written over the logits in place); elsewhere the same math runs in fp32 torch ops.
@@ -87,43 +90,67 @@ def _scale_into(out, grad, scale, accumulate, use_kernel):
     return out
 
 
+def _add_product_into(into, a, b):
+    """into.grad (+)= a @ b in into.grad's dtype, the products summed in fp32. On CUDA one GEMM that reads and
+    writes the fp32 .grad itself (out_dtype), where a bf16 product would be written and then added."""
+    if into.grad is None:
+        into.grad = torch.mm(a, b, out_dtype=into.dtype) if a.is_cuda else (a @ b).to(into.dtype)
+    elif a.is_cuda:
+        torch.addmm(into.grad, a, b, out_dtype=into.dtype, out=into.grad)
+    else:
+        into.grad.add_(a @ b)
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, ignore_index, chunk_size, use_kernel, grad_mode):
         chunk_loss_and_grad = _chunk_loss_and_grad_kernel if use_kernel else _chunk_loss_and_grad_torch
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if grad_mode and hidden.requires_grad else None
-        grad_weight = None
-        for start in range(0, hidden.shape[0], chunk_size):
+        grad_weight = last = last_hidden = None
+        starts = range(0, hidden.shape[0], chunk_size)
+        for start in starts:
             h, y = hidden[start:start + chunk_size], labels[start:start + chunk_size]
             chunk_loss, grad_logits = chunk_loss_and_grad(h @ weight.T, y.contiguous(), ignore_index)
             loss += chunk_loss
             grad_logits = grad_logits.to(hidden.dtype)
             if grad_hidden is not None:
                 torch.matmul(grad_logits, weight, out=grad_hidden[start:start + chunk_size])
-            if grad_mode and weight.requires_grad:
+            if grad_mode and weight.requires_grad and start == starts[-1]:
+                last, last_hidden = grad_logits, h   # its weight gradient waits for the backward (the scale into h)
+            elif grad_mode and weight.requires_grad:
                 grad_weight = grad_logits.T @ h if grad_weight is None else grad_weight.addmm_(grad_logits.T, h)
         # kept on ctx, not saved: they are ours alone, so backward may scale them in place (no second
         # weight-sized buffer); the price is that this backward runs once (no retain_graph reuse)
-        ctx.grads, ctx.use_kernel = (grad_hidden, grad_weight), use_kernel
+        ctx.grads, ctx.last, ctx.use_kernel = (grad_hidden, grad_weight), last, use_kernel
+        ctx.save_for_backward(last_hidden)
         ctx.into = getattr(weight, "grad_into", None) if use_kernel else None
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        (grad_hidden, grad_weight), into, use_kernel = ctx.grads, ctx.into, ctx.use_kernel
-        del ctx.grads
+        (grad_hidden, grad_weight), last, into, use_kernel = ctx.grads, ctx.last, ctx.into, ctx.use_kernel
+        del ctx.grads, ctx.last
         grad_loss = grad_loss.float()
         if grad_hidden is not None:
             _scale_into(grad_hidden, grad_hidden, grad_loss, False, use_kernel)
-        if grad_weight is not None and into is None:
-            _scale_into(grad_weight, grad_weight, grad_loss, False, use_kernel)
-        elif grad_weight is not None:
-            first = into.grad is None
-            if first:
-                into.grad = torch.empty_like(into)
-            _scale_into(into.grad, grad_weight, grad_loss, not first, use_kernel)
+        if last is None:
+            return grad_hidden, None, None, None, None, None, None
+        grad_logits, (h,) = last, ctx.saved_tensors
+        h = h * grad_loss.to(h.dtype)   # the scale on the chunk's few hidden rows, not on a vocab-sized product
+        if into is not None:
+            if grad_weight is not None:   # the earlier chunks' sum
+                first = into.grad is None
+                if first:
+                    into.grad = torch.empty_like(into)
+                _scale_into(into.grad, grad_weight, grad_loss, not first, use_kernel)
+            _add_product_into(into, grad_logits.T, h)
             grad_weight = None   # it is in into.grad: autograd gets none
+        elif grad_weight is not None:
+            _scale_into(grad_weight, grad_weight, grad_loss, False, use_kernel)
+            grad_weight.addmm_(grad_logits.T, h)
+        else:
+            grad_weight = grad_logits.T @ h
         return grad_hidden, grad_weight, None, None, None, None, None
 
 
