@@ -176,7 +176,10 @@ def estimate(args) -> list[dict]:
         plan.check_model(cfg.num_hidden_layers, moe_layers(model)[0].num_experts, args.seq_len)
         n = weight_elements(model, layout, compiled)
         per_layer = {layer: activations_per_token(hf, layer, width) for layer in held}
-        head = width * 3 * hf["hidden_size"] + 4 if cfg.num_hidden_layers - 1 in held else 0
+        # the head's inputs, and what the loss keeps from its forward to its backward: the last chunk's logits
+        # (overwritten by their gradient) and, with several chunks, the earlier ones' weight-gradient sum
+        loss_kept = width * cfg.vocab_size * (min(tokens, LOSS_CHUNK) + (tokens > LOSS_CHUNK) * hf["hidden_size"])
+        head = width * 3 * hf["hidden_size"] + 4 + loss_kept / tokens if cfg.num_hidden_layers - 1 in held else 0
         phases = [[sum(per_layer[layer][part] for layer in chunks[c]) for part in (0, 1)]
                   for c in (rank, 2 * args.pp - 1 - rank)]
         phases[1][0] += head   # one process: both "phases" are the whole model
@@ -190,8 +193,6 @@ def estimate(args) -> list[dict]:
         else:   # FSDP2: the root and two layers gathered (one prefetched), a layer's fp32 gradient before its reduce
             row["compute_copies"] = width * (n["root"] + 2 * n["gathered"])
             row["transient"] = 4 * n["gathered"]
-        if head:
-            row["transient"] += min(tokens, LOSS_CHUNK) * cfg.vocab_size * width   # logits, overwritten by their gradient
         held_through = row["weights"] + row["optimizer"] + row["compute_copies"] + row["fp8_cache"]
         grads = row["gradients"] if micro_batches > 1 or plan.world > 1 else 0   # one micro-batch: they replace copies
         row["peak"] = max(row["weights"] + row["gradients"] + row["optimizer"],   # at the optimizer step
