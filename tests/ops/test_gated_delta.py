@@ -109,6 +109,7 @@ def test_from_an_unknown_state_the_output_and_final_state_are_its_affine_maps():
     assert relative_error(zeroed + torch.einsum("bshk,bhkv->bshv", seen, state), out) < 1e-12
     assert relative_error(offset + transition @ state, out_state) < 1e-12
 
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="fla-core's Triton kernels run on CUDA (the device machine)")
 @pytest.mark.parametrize("resets", [(), (0, 130, 140, 600)])
 def test_fla_kernels_compute_the_reference_rule_and_its_gradients(monkeypatch, resets):

@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pith_ops.grouped_gemm import add_product_into_grad
+
 IGNORE_INDEX = -100
 
 
@@ -90,17 +92,6 @@ def _scale_into(out, grad, scale, accumulate, use_kernel):
     return out
 
 
-def _add_product_into(into, a, b):
-    """into.grad (+)= a @ b in into.grad's dtype, the products summed in fp32. On CUDA one GEMM that reads and
-    writes the fp32 .grad itself (out_dtype), where a bf16 product would be written and then added."""
-    if into.grad is None:
-        into.grad = torch.mm(a, b, out_dtype=into.dtype) if a.is_cuda else (a @ b).to(into.dtype)
-    elif a.is_cuda:
-        torch.addmm(into.grad, a, b, out_dtype=into.dtype, out=into.grad)
-    else:
-        into.grad.add_(a @ b)
-
-
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, ignore_index, chunk_size, use_kernel, grad_mode):
@@ -108,7 +99,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if grad_mode and hidden.requires_grad else None
         grad_weight = last = last_hidden = None
-        starts = range(0, hidden.shape[0], chunk_size)
+        weight_grad, starts = grad_mode and weight.requires_grad, range(0, hidden.shape[0], chunk_size)
         for start in starts:
             h, y = hidden[start:start + chunk_size], labels[start:start + chunk_size]
             chunk_loss, grad_logits = chunk_loss_and_grad(h @ weight.T, y.contiguous(), ignore_index)
@@ -116,9 +107,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad_logits = grad_logits.to(hidden.dtype)
             if grad_hidden is not None:
                 torch.matmul(grad_logits, weight, out=grad_hidden[start:start + chunk_size])
-            if grad_mode and weight.requires_grad and start == starts[-1]:
+            if weight_grad and start == starts[-1]:
                 last, last_hidden = grad_logits, h   # its weight gradient waits for the backward (the scale into h)
-            elif grad_mode and weight.requires_grad:
+            elif weight_grad:
                 grad_weight = grad_logits.T @ h if grad_weight is None else grad_weight.addmm_(grad_logits.T, h)
         # kept on ctx, not saved: they are ours alone, so backward may scale them in place (no second
         # weight-sized buffer); the price is that this backward runs once (no retain_graph reuse)
@@ -144,7 +135,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 if first:
                     into.grad = torch.empty_like(into)
                 _scale_into(into.grad, grad_weight, grad_loss, not first, use_kernel)
-            _add_product_into(into, grad_logits.T, h)
+            add_product_into_grad(into, grad_logits.T, h)
             grad_weight = None   # it is in into.grad: autograd gets none
         elif grad_weight is not None:
             _scale_into(grad_weight, grad_weight, grad_loss, False, use_kernel)

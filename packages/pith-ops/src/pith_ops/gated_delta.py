@@ -91,6 +91,7 @@ def gated_delta_from_unknown_state(q, k, v, g, beta, scale: float):
     out, final = gated_delta(q, k, values, g, beta, start, scale)
     return out.split([d_v, d_k], dim=-1), final
 
+
 def recurrent_gated_delta(q, k, v, g, beta, state=None):
     """q, k [batch, seq, heads, d_k], v [batch, seq, heads, d_v], g and beta [batch, seq, heads], state [batch,
     heads, d_k, d_v] (default zeros) -> (o [batch, seq, heads, d_v], the final state)."""

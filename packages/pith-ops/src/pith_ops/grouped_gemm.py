@@ -209,6 +209,18 @@ def add_into_grad(master, grad):
     master.grad = grad.to(master.dtype) if master.grad is None else master.grad.add_(grad)
 
 
+def add_product_into_grad(master, a, b):
+    """master.grad += a @ b (add_into_grad of the product). On CUDA the GEMM reads and writes .grad itself, an fp32
+    one for bf16 operands through out_dtype, where the product would be written in a's dtype and then added."""
+    if not a.is_cuda:
+        return add_into_grad(master, a @ b)
+    mixed = dict(out_dtype=master.dtype) if master.dtype != a.dtype else {}
+    if master.grad is None:
+        master.grad = torch.mm(a, b, **mixed)
+    else:
+        torch.addmm(master.grad, a, b, out=master.grad, **mixed)
+
+
 def run_or_queue(accumulate_wgrad, wgrad_queue):
     """A backward's weight-gradient closure: run now, or appended to wgrad_queue to run later (a W step)."""
     if wgrad_queue is None:
@@ -233,7 +245,7 @@ class _DeferredLinear(torch.autograd.Function):
 
         def accumulate_wgrad():
             if weight_wanted:
-                add_into_grad(weight_into, grad_out.T @ x.reshape(-1, x.shape[-1]))
+                add_product_into_grad(weight_into, grad_out.T, x.reshape(-1, x.shape[-1]))
             if bias_wanted:
                 add_into_grad(bias_into, grad_out.sum(0))
         ctx.wgrad_queue.append(accumulate_wgrad)
