@@ -120,6 +120,23 @@ def test_the_weight_cache_quantizes_each_weight_once_per_step_and_never_serves_a
     assert torch.equal(after, fp8_linear(x, weights[0], Fp8WeightCache()))
 
 
+def test_a_cache_that_keeps_nothing_quantizes_at_each_use_the_blocks_a_kept_one_serves():
+    """keep=False (weights FSDP2 gathers for each use): a forward and its backward quantize the weight twice (its
+    blocks, then the transposed ones), hold nothing, and compute exactly what the kept cache computes."""
+    torch.manual_seed(6)
+    weight = torch.nn.Parameter(torch.randn(256, 128, device=KERNEL_DEVICE))
+    x = torch.randn(4, 128, device=KERNEL_DEVICE).bfloat16().requires_grad_()
+    results = []
+    for cache in (Fp8WeightCache(), Fp8WeightCache(keep=False)):
+        weight.grad = x.grad = None
+        out = fp8_linear(x, weight, cache)
+        out.float().square().sum().backward()
+        results.append((cache, out, x.grad, weight.grad))
+    (kept, *expected), (unkept, *got) = results
+    assert kept.quantized == 1 and len(kept.copies) == 1 and unkept.quantized == 2 and not unkept.copies
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
 @pytest.mark.parametrize("kernel,k", [(False, 160), (True, 160), (True, 256)])
 def test_fp8_expert_gemms_are_the_gemms_of_their_dequantized_operands(kernel, k):
     """grouped_linear with an Fp8WeightCache: forward and input gradient against fp32 GEMMs of each expert's

@@ -105,9 +105,9 @@ def weight_elements(model: torch.nn.Module, layout: dict, compiled: bool) -> dic
     """Per-rank element counts of the model's weights (built on meta for this pipeline rank): `local` what the
     rank keeps (the largest FSDP2 shard, as torch.chunk splits), `gathered` the largest layer unsharded and `root`
     the rest unsharded (what FSDP2 gathers in the compute dtype), `fp8` the weights --fp8 quantizes, unsharded
-    (the FP8 cache keeps the blocks of what it was given: the gathered weight)."""
+    (what the FP8 cache is given: the gathered weight), and `fp8_largest` the largest of them."""
     dense_shards, expert_shards = layout["dp"] * layout["cp"] * layout["ep"], layout["dp"] * layout["cp"]
-    counts = dict(local=0, gathered=0, root=0, fp8=0)
+    counts = dict(local=0, gathered=0, root=0, fp8=0, fp8_largest=0)
     for layer in model.model.layers.values():
         total = 0
         for name, param in layer.named_parameters():
@@ -120,7 +120,9 @@ def weight_elements(model: torch.nn.Module, layout: dict, compiled: bool) -> dic
             counts["local"] += whole // shape[axis] * math.ceil(shape[axis] / shards) if shards > 1 else whole
             total += whole
         counts["gathered"] = max(counts["gathered"], total)
-        counts["fp8"] += fp8_elements(layer, compiled, layout["ep"])
+        fp8 = fp8_elements(layer, compiled, layout["ep"])
+        counts["fp8"] += sum(fp8)
+        counts["fp8_largest"] = max([counts["fp8_largest"], *fp8])
     in_layers = {id(p) for layer in model.model.layers.values() for p in layer.parameters()}
     for param in model.parameters():
         if id(param) not in in_layers:
@@ -129,17 +131,17 @@ def weight_elements(model: torch.nn.Module, layout: dict, compiled: bool) -> dic
     return counts
 
 
-def fp8_elements(layer: torch.nn.Module, compiled: bool, ep: int) -> int:
-    """The elements of a decoder layer's weights that --fp8 quantizes (use_fp8: its experts and its Linear modules),
-    unsharded; not the Linears of a compiled stage (compile_stages: an MoE layer's attention_stage, which runs all
-    but its mlp's, and a dense layer whole), which compute in the compute dtype."""
-    count = 0
+def fp8_elements(layer: torch.nn.Module, compiled: bool, ep: int) -> list[int]:
+    """The elements of each of a decoder layer's weights that --fp8 quantizes (use_fp8: its experts' stacks and its
+    Linear modules' weights), unsharded; not the Linears of a compiled stage (compile_stages: an MoE layer's
+    attention_stage, which runs all but its mlp's, and a dense layer whole), which compute in the compute dtype."""
+    counts = []
     for name, module in layer.named_modules():
         if isinstance(module, LocalExperts):
-            count += sum(param.numel() for param in module.parameters()) // ep
+            counts += [param.numel() // ep for param in module.parameters() if param.dim() == 3]
         elif isinstance(module, Linear) and not (compiled and not (layer.is_moe and name.startswith("mlp."))):
-            count += module.weight.numel()
-    return count
+            counts.append(module.weight.numel())
+    return counts
 
 
 BUILT = {}   # (family, config, held layers) -> the model on the meta device
@@ -185,14 +187,15 @@ def estimate(args) -> list[dict]:
         phases[1][0] += head   # one process: both "phases" are the whole model
         row = dict(rank=rank, weights=4 * n["local"], gradients=4 * n["local"], optimizer=8 * n["local"],
                    activations=tokens * in_flight(args.pp, micro_batches, rank, phases),
-                   fp8_cache=2 * n["fp8"] if args.fp8 else 0)
+                   fp8_cache=2 * n["fp8"] * args.fp8 * (not plan.sharded))
         if not plan.sharded:   # ComputeCasts: a copy of every weight held, kept for the step's micro-batches
             row["compute_copies"] = (width < 4) * width * n["local"]
             pairs = plan.world == 1 and micro_batches > 1   # (a pipeline's deferred ones are in_flight's)
             row["transient"] = pairs * tokens * sum(pair for _, pair in per_layer.values())
         else:   # FSDP2: the root and two layers gathered (one prefetched), a layer's fp32 gradient before its reduce
             row["compute_copies"] = width * (n["root"] + 2 * n["gathered"])
-            row["transient"] = 4 * n["gathered"]
+            # and under --fp8 both layouts of one weight, quantized at each use (Fp8WeightCache(keep=False))
+            row["transient"] = 4 * n["gathered"] + 2 * n["fp8_largest"] * args.fp8
         held_through = row["weights"] + row["optimizer"] + row["compute_copies"] + row["fp8_cache"]
         grads = row["gradients"] if micro_batches > 1 or plan.world > 1 else 0   # one micro-batch: they replace copies
         row["peak"] = max(row["weights"] + row["gradients"] + row["optimizer"],   # at the optimizer step

@@ -191,7 +191,7 @@ def prepare_step(args, parallel: Parallel, device: torch.device, model) -> tuple
         compile_stages(model)
     optimizer = adamw(model, args.lr, args.weight_decay)
     if args.fp8:
-        use_fp8(model, Fp8WeightCache().watch(optimizer))
+        use_fp8(model, Fp8WeightCache(keep=not parallel.sharded).watch(optimizer))   # FSDP2 gathers each use anew
     return optimizer, step_graph(args, parallel, device, model, optimizer)
 
 

@@ -13,8 +13,9 @@ tests and the CPU.
 `fp8_linear` runs a linear layer's three GEMMs in FP8: the forward and the input gradient as 1 x 128 by 128 x 128
 blocks, the weight gradient as 1 x 128 by 1 x 128 blocks along the tokens (fp32 out), through torch's block-wise
 `scaled_mm` on CUDA (measured on the H200: bench/RESULTS.md) and emulated on the CPU (dequantize, then matmul in
-fp32). Its weights come from an `Fp8WeightCache`, which quantizes each weight once per optimizer step. The
-experts' FP8 GEMMs (`fp8_grouped_rows`, a Triton kernel) run through `grouped_linear(..., fp8=cache)`.
+fp32). Its weights come from an `Fp8WeightCache`, which quantizes each weight once per optimizer step (or at each
+use, where FSDP2 gathers the weight for each use). The experts' FP8 GEMMs (`fp8_grouped_rows`, a Triton kernel) run
+through `grouped_linear(..., fp8=cache)`.
 """
 import torch
 import torch.nn.functional as F
@@ -267,10 +268,15 @@ class Fp8WeightCache:
     `new_step` (which the hook of `watch` runs before each optimizer step) drops them all: they are freed before
     the optimizer runs and never served after it. An in-place change between steps (a load) is seen through the
     weight's version counter. A compute copy (a bf16 copy naming its fp32 master as `grad_into`, made anew for each
-    forward) is known by its master, whose version and storage say whether the copy's values changed."""
+    forward) is known by its master, whose version and storage say whether the copy's values changed.
 
-    def __init__(self):
-        self.copies, self.quantized = {}, 0   # quantized: how many weights were quantized, for tests and logs
+    keep=False, for weights that FSDP2 gathers anew for each forward and backward and frees after: each use
+    quantizes the layout it reads and holds nothing. Kept, every layer's blocks stayed through the step (2 bytes per
+    element of each FP8 weight on the rank, as much as its fp32 weights, gradients and AdamW state at 8 shards),
+    while most gathers, into new storage, were quantized again anyway (175-185 of a step's 192 uses on 2 CPU ranks)."""
+
+    def __init__(self, keep: bool = True):
+        self.keep, self.copies, self.quantized = keep, {}, 0   # quantized: weights quantized, for tests and logs
 
     def watch(self, optimizer: torch.optim.Optimizer):
         optimizer.register_step_pre_hook(lambda *args: self.new_step())
@@ -283,12 +289,17 @@ class Fp8WeightCache:
         """quantize_blocks(weight), or its transposed. Both are made at once, on CUDA by one pass over the weight:
         a training step's backward reads the transposed (a copy of the e4m3 blocks by torch took the H200 13.5 ms
         per Qwen3-30B-A3B 4-layer step)."""
+        quantize = quantize_blocks if weight.is_cuda else quantize_blocks_reference
+        if not self.keep:
+            self.quantized += 1
+            with torch.no_grad():
+                return quantize(weight, both=True)[1] if transpose else quantize(weight)
         source = getattr(weight, "grad_into", weight)
         state = (source._version, source.data_ptr())
         known = self.copies.get(id(source))
         if known is None or known[0] != state:
             with torch.no_grad():
-                made = (quantize_blocks if weight.is_cuda else quantize_blocks_reference)(weight, both=True)
+                made = quantize(weight, both=True)
             known = self.copies[id(source)] = (state, made)
             self.quantized += 1
         return known[1][transpose]
