@@ -53,52 +53,54 @@ def full_state(model):
     return result
 
 
+def with_fp8(model, keep: bool) -> Fp8WeightCache:
+    """--fp8's weight cache set on the model, as the app makes it: kept on one process, not where FSDP2 shards."""
+    cache = Fp8WeightCache(keep=keep)
+    use_fp8(model, cache)
+    return cache
+
+
 def parallel_body(rank, world, layouts, out):
-    """Every layout of this world size in one spawn: each process pays its imports once."""
-    for family, dp, ep, balance in layouts:
+    """Every layout of this world size in one spawn: each process pays its imports once. fp8: with --fp8's cache
+    on a longer batch (FP8_SEQ)."""
+    for family, dp, ep, balance, fp8 in layouts:
         parallel = Parallel.build(dp=dp, ep=ep)
-        fp8 = balance == "fp8"
-        model = build(family, parallel, None if fp8 else balance)
-        cache = Fp8WeightCache(keep=False) if fp8 else None
-        if fp8:
-            use_fp8(model, cache)
+        model = build(family, parallel, balance)
+        cache = with_fp8(model, keep=False) if fp8 else None
         ids, labels = global_batch(model.config.vocab_size, FP8_SEQ if fp8 else SEQ)
         share = BATCH // parallel.data_ranks
         rows = slice(parallel.data_rank * share, (parallel.data_rank + 1) * share)
         loss, norm = train_step(model, ids[rows], labels[rows], labels.numel())
         dist.all_reduce(loss)
         torch.save(dict(loss=loss, norm=norm, state=full_state(model), quantized=cache and cache.quantized,
-                        held=cache and len(cache.copies)), out / f"{family}-{dp}-{ep}-{balance}-{rank}.pt")
+                        held=cache and len(cache.copies)), out / f"{family}-{dp}-{ep}-{balance}-{fp8}-{rank}.pt")
 
 
 LAYOUTS = [("qwen3", 1, 2, None), ("qwen3", 2, 1, None), ("qwen3", 1, 4, None), ("qwen3", 2, 2, "aux_free"),
            ("deepseek_v2", 1, 2, None), ("deepseek_v2", 2, 1, None), ("deepseek_v2", 2, 2, None),
            ("deepseek_v2", 1, 4, "global_batch"), ("gpt_oss", 1, 2, None), ("gpt_oss", 2, 2, None),
            ("qwen3_5", 1, 2, None), ("qwen3_5", 2, 1, None)]
-# --fp8's cache (balance "fp8": none) as the app makes it where FSDP2 shards: 128 tokens per rank, so that the
-# 1 x 128 blocks along the tokens that the dense weight gradients quantize are the one process's blocks too
-FP8_LAYOUTS, FP8_SEQ = [("qwen3", 2, 1, "fp8"), ("deepseek_v2", 1, 2, "fp8"), ("gpt_oss", 2, 1, "fp8")], 64
+# with --fp8's cache: 128 tokens per rank, so that the 1 x 128 blocks along the tokens that the dense weight
+# gradients quantize are the one process's blocks too
+FP8_LAYOUTS, FP8_SEQ = [("qwen3", 2, 1, None), ("deepseek_v2", 1, 2, None), ("gpt_oss", 2, 1, None)], 64
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("parallel")
     for world in (2, 4):
-        run_on_processes(world, parallel_body, [layout for layout in LAYOUTS + FP8_LAYOUTS
-                                                if layout[1] * layout[2] == world], out)
+        layouts = [(*layout, False) for layout in LAYOUTS] + [(*layout, True) for layout in FP8_LAYOUTS]
+        run_on_processes(world, parallel_body, [layout for layout in layouts if layout[1] * layout[2] == world], out)
     return out
 
 
-def reference_and_results(family, dp, ep, balance, results):
-    """The one-process step (with fp8: its kept cache, as the app's) and each rank's results of this layout."""
-    fp8 = balance == "fp8"
-    model = build(family, Parallel(), None if fp8 else balance)
-    cache = Fp8WeightCache() if fp8 else None
-    if fp8:
-        use_fp8(model, cache)
+def reference_and_results(family, dp, ep, balance, results, fp8=False):
+    """The one-process step (fp8: with the kept cache, as the app's) and each rank's results of this layout."""
+    model = build(family, Parallel(), balance)
+    cache = with_fp8(model, keep=True) if fp8 else None
     ids, labels = global_batch(model.config.vocab_size, FP8_SEQ if fp8 else SEQ)
     loss, norm = train_step(model, ids, labels, labels.numel())
-    ranks = [torch.load(results / f"{family}-{dp}-{ep}-{balance}-{rank}.pt") for rank in range(dp * ep)]
+    ranks = [torch.load(results / f"{family}-{dp}-{ep}-{balance}-{fp8}-{rank}.pt") for rank in range(dp * ep)]
     return (loss, norm, full_state(model), cache), ranks
 
 
@@ -127,7 +129,7 @@ def test_the_fp8_step_on_sharded_weights_equals_one_process(family, dp, ep, bala
     process, so the step is the one-process step within the float32 tolerances. The one process quantizes each FP8
     weight once and holds it to the step; each rank quantizes it at each use, forward and backward (twice), and
     holds none."""
-    reference, ranks = reference_and_results(family, dp, ep, balance, results)
+    reference, ranks = reference_and_results(family, dp, ep, balance, results, fp8=True)
     assert_the_one_process_step(family, reference, ranks)
     cache = reference[3]
     assert cache.quantized == len(cache.copies) > 0
