@@ -31,3 +31,16 @@ def grad_tolerance(family: str, name: str) -> float:
     if family != "qwen3_5":
         return 1e-5
     return 3e-4 if name.endswith(("A_log", "dt_bias", "in_proj_a.weight")) else 3e-5
+
+
+def recording_fp8_cache(steps: list) -> type:
+    """An Fp8WeightCache class that appends (weights quantized so far, bytes of FP8 blocks held) to `steps` as each
+    optimizer step begins: set as pith_apps.train.Fp8WeightCache, it records what the app's cache did."""
+    from pith_ops.fp8 import Fp8WeightCache   # here: pith_ops only after TRITON_INTERPRET is set above
+
+    class RecordingCache(Fp8WeightCache):
+        def new_step(self):
+            held = sum(t.nbytes for _, made in self.copies.values() for layout in made for t in layout)
+            steps.append((self.quantized, held))
+            super().new_step()
+    return RecordingCache

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import pith_apps.train as train_app
-from conftest import relative_error
+from conftest import recording_fp8_cache, relative_error
 from distributed import run_on_processes
 from pith_apps.models.layers import Linear, LocalExperts, use_fp8
 from pith_apps.config import read_json
@@ -85,19 +85,13 @@ def counted_fp8_run(out, flags) -> dict:
     """The app's --fp8 run on this layout; per optimizer step, the weights its cache quantized and the bytes it held
     as the step began."""
     steps = []
-
-    class CountedCache(Fp8WeightCache):
-        def new_step(self):
-            held = sum(t.nbytes for _, made in self.copies.values() for layout in made for t in layout)
-            steps.append((self.quantized - sum(n for n, _ in steps), held))
-            super().new_step()
-    made = train_app.Fp8WeightCache
-    train_app.Fp8WeightCache = CountedCache
+    train_app.Fp8WeightCache = recording_fp8_cache(steps)
     try:
         losses = train_app.train(train_app.parse_args([*LAYOUT_RUN, "--out", str(out), *flags]))
     finally:
-        train_app.Fp8WeightCache = made
-    return dict(losses=losses, steps=steps)
+        train_app.Fp8WeightCache = Fp8WeightCache
+    before = [0] + [quantized for quantized, _ in steps]   # the recorded counts are running totals
+    return dict(losses=losses, steps=[(quantized - earlier, held) for (quantized, held), earlier in zip(steps, before)])
 
 
 def fp8_layouts(rank, world, root):

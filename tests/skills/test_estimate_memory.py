@@ -12,10 +12,10 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import pith_apps.train as train_app
+from conftest import recording_fp8_cache
 from distributed import run_on_processes
 from pith_apps.options import parse_args
 from pith_engine.data_parallel import local_part
-from pith_ops.fp8 import Fp8WeightCache
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "skills/pith-apps/estimate-memory/estimate_memory.py"
@@ -94,13 +94,8 @@ def states_body(rank, world, argv):
     """One step of the app's own model and optimizer (and --fp8's cache) on this layout; then each kind of state's
     bytes on this rank, the most over the ranks of each pipeline rank checked against the estimate's row: the FP8
     blocks held as the optimizer step began within 1% (the estimate leaves out the blocks' scales)."""
-    held_fp8 = []
-
-    class MeasuredCache(Fp8WeightCache):
-        def new_step(self):
-            held_fp8.append(sum(t.nbytes for _, made in self.copies.values() for layout in made for t in layout))
-            super().new_step()
-    train_app.Fp8WeightCache = MeasuredCache
+    fp8_steps = []
+    train_app.Fp8WeightCache = recording_fp8_cache(fp8_steps)   # this spawned process ends with the test
     args = parse_args(argv)
     parallel, device = train_app.layout(args)
     cfg = train_app.model_config(args)
@@ -117,7 +112,7 @@ def states_body(rank, world, argv):
     params = list(model.parameters())
     moments = [local_part(state[key]) for p in params for state in [optimizer.state[p]] for key in ("exp_avg", "exp_avg_sq")]
     measured = torch.tensor([sum(local_part(p).nbytes for p in params), sum(m.nbytes for m in moments),
-                             float(parallel.coords["pp"]), *held_fp8], dtype=torch.float64)
+                             float(parallel.coords["pp"]), fp8_steps[0][1]], dtype=torch.float64)
     every = [torch.zeros_like(measured) for _ in range(world)]
     dist.all_gather(every, measured)
     rows = estimate(args)

@@ -104,10 +104,10 @@ def in_flight(pp: int, micro_batches: int, rank: int, chunk_bytes: list[tuple[fl
 def weight_elements(model: torch.nn.Module, layout: dict, compiled: bool) -> dict:
     """Per-rank element counts of the model's weights (built on meta for this pipeline rank): `local` what the
     rank keeps (the largest FSDP2 shard, as torch.chunk splits), `gathered` the largest layer unsharded and `root`
-    the rest unsharded (what FSDP2 gathers in the compute dtype), `fp8` the weights --fp8 quantizes, unsharded
-    (what the FP8 cache is given: the gathered weight), and `fp8_largest` the largest of them."""
+    the rest unsharded (what FSDP2 gathers in the compute dtype), `fp8` the elements of each weight --fp8
+    quantizes, unsharded (what the FP8 cache is given: the gathered weight)."""
     dense_shards, expert_shards = layout["dp"] * layout["cp"] * layout["ep"], layout["dp"] * layout["cp"]
-    counts = dict(local=0, gathered=0, root=0, fp8=0, fp8_largest=0)
+    counts = dict(local=0, gathered=0, root=0, fp8=[])
     for layer in model.model.layers.values():
         total = 0
         for name, param in layer.named_parameters():
@@ -120,9 +120,7 @@ def weight_elements(model: torch.nn.Module, layout: dict, compiled: bool) -> dic
             counts["local"] += whole // shape[axis] * math.ceil(shape[axis] / shards) if shards > 1 else whole
             total += whole
         counts["gathered"] = max(counts["gathered"], total)
-        fp8 = fp8_elements(layer, compiled, layout["ep"])
-        counts["fp8"] += sum(fp8)
-        counts["fp8_largest"] = max([counts["fp8_largest"], *fp8])
+        counts["fp8"] += fp8_elements(layer, compiled, layout["ep"])
     in_layers = {id(p) for layer in model.model.layers.values() for p in layer.parameters()}
     for param in model.parameters():
         if id(param) not in in_layers:
@@ -187,7 +185,7 @@ def estimate(args) -> list[dict]:
         phases[1][0] += head   # one process: both "phases" are the whole model
         row = dict(rank=rank, weights=4 * n["local"], gradients=4 * n["local"], optimizer=8 * n["local"],
                    activations=tokens * in_flight(args.pp, micro_batches, rank, phases),
-                   fp8_cache=2 * n["fp8"] * args.fp8 * (not plan.sharded))
+                   fp8_cache=2 * sum(n["fp8"]) * args.fp8 * (not plan.sharded))
         if not plan.sharded:   # ComputeCasts: a copy of every weight held, kept for the step's micro-batches
             row["compute_copies"] = (width < 4) * width * n["local"]
             pairs = plan.world == 1 and micro_batches > 1   # (a pipeline's deferred ones are in_flight's)
@@ -195,7 +193,7 @@ def estimate(args) -> list[dict]:
         else:   # FSDP2: the root and two layers gathered (one prefetched), a layer's fp32 gradient before its reduce
             row["compute_copies"] = width * (n["root"] + 2 * n["gathered"])
             # and under --fp8 both layouts of one weight, quantized at each use (Fp8WeightCache(keep=False))
-            row["transient"] = 4 * n["gathered"] + 2 * n["fp8_largest"] * args.fp8
+            row["transient"] = 4 * n["gathered"] + 2 * max(n["fp8"], default=0) * args.fp8
         held_through = row["weights"] + row["optimizer"] + row["compute_copies"] + row["fp8_cache"]
         grads = row["gradients"] if micro_batches > 1 or plan.world > 1 else 0   # one micro-batch: they replace copies
         row["peak"] = max(row["weights"] + row["gradients"] + row["optimizer"],   # at the optimizer step

@@ -84,11 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--dtype", choices=DTYPES, help="The compute dtype; weights, gradients and optimizer state are always "
         "float32 (default: bfloat16 on CUDA, float32 on CPU).")
     add("--fp8", action="store_true", help="Compute the experts' GEMMs (forward and input gradient) and the decoder "
-        "layers' dense linears in FP8 (e4m3 in 1x128 and 128x128 blocks), each weight quantized once per step (at each use "
-        "where FSDP2 gathers it: --dp, --ep, --cp); the "
-        "routers, LM head, norms and attention stay in the compute dtype, the weights float32. The dense linears of "
-        "compiled stages (--compile) stay in the compute dtype. Needs compute capability 9.0+ (H100, H200); "
-        "emulated, slowly, on CPU.")
+        "layers' dense linears in FP8 (e4m3 in 1x128 and 128x128 blocks), each weight quantized once per step (at "
+        "each use where FSDP2 gathers it: --dp, --ep, --cp); the routers, LM head, norms and attention stay in the "
+        "compute dtype, the weights float32. The dense linears of compiled stages (--compile) stay in the compute "
+        "dtype. Needs compute capability 9.0+ (H100, H200); emulated, slowly, on CPU.")
     add("--compile", action=argparse.BooleanOptionalAction, help="Compile the dense stages with torch.compile "
         "(default: on for CUDA, off on CPU, where it costs minutes).")
     add("--cuda-graph", action=argparse.BooleanOptionalAction, help="After the first 2 steps, capture the training "

@@ -308,8 +308,8 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: tor
     use_triton=True) the weight-gradient kernel adds it straight into grad_into.grad (add_wgrad_into);
     elsewhere it is returned as usual; given `wgrad_pairs`, that kernel runs once per two micro-batches.
     fp8: a pith_ops.fp8.Fp8WeightCache: the forward and the input gradient in FP8 (its grouped_rows), the weight
-    quantized as the cache says (once per optimizer step, or at each use); the weight gradient stays in bf16 (an FP8 one would need blocks along each expert's
-    tokens, and its GEMM gained least from FP8: bench/RESULTS.md).
+    quantized as the cache says (once per optimizer step, or at each use); the weight gradient stays in bf16 (an
+    FP8 one would need blocks along each expert's tokens, and its GEMM gained least from FP8: bench/RESULTS.md).
     """
     offs = torch.cumsum(tokens_per_expert, 0, dtype=torch.int32)
     return _GroupedLinear.apply(x, weight, offs, wgrad_queue, wgrad_pairs, use_triton, fp8)
