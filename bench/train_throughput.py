@@ -133,7 +133,7 @@ def pith_setup(c: dict, preset: dict, hf_weights: str | None = None):
     optimizer, graph = prepare_step(args, parallel, device, model)
 
     def step(number, ids, labels):
-        return train_step(args, parallel, device, model, optimizer, number, ids, labels, False, graph)[0]
+        return train_step(args, parallel, device, model, optimizer, number, ids, labels, graph)[0]
     return model, step
 
 

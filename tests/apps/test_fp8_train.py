@@ -13,7 +13,7 @@ from conftest import recording_fp8_cache, relative_error
 from distributed import run_on_processes
 from pith_apps.models.layers import Linear, LocalExperts, use_fp8
 from pith_apps.config import read_json
-from pith_apps.data import DEFAULT_CORPUS, ByteTokenizer, batch_at
+from pith_apps.data import DEFAULT_CORPUS, ByteTokenizer, batch_at, split_held_out
 from pith_apps.options import MODELS, PRESETS
 from pith_engine.data_parallel import shard_model
 from pith_engine.optim import adamw
@@ -74,6 +74,28 @@ def test_an_fp8_run_of_the_app_follows_the_unquantized_run(tmp_path):
     assert max(abs(a - b) / a for a, b in zip(*runs)) < 3e-2
     assert runs[1][-1] < 0.5 * runs[1][0]
 
+
+def test_an_evaluation_leaves_no_fp8_blocks_behind():
+    """A replayed step (the CUDA graph, from step 3) changes the weights without the optimizer hook that empties the
+    cache: blocks an evaluation left would be read by the next evaluation, or captured into the step's graph. On
+    CPU, a change through .data (no version bump) stands for the replay: the second evaluation quantizes every FP8
+    weight again and gives the loss of a fresh cache, exactly (float32)."""
+    args = train_app.parse_args(["qwen3", *QUICK, "--device", "cpu", "--fp8", "--eval-batches", "1"])
+    model, step = train_app.one_process_step(args)
+    parallel, device = train_app.layout(args)
+    stream = torch.tensor(ByteTokenizer().encode(DEFAULT_CORPUS.read_text()))
+    stream, held_out = split_held_out(stream, args.eval_batches, args.batch_size, args.seq_len)
+    step(1, *batch_at(stream, 0, args.seed, args.batch_size, args.seq_len))
+    train_app.evaluate(args, parallel, device, model, held_out)
+    assert not model.fp8_cache.copies
+    with torch.no_grad():
+        for param in model.parameters():
+            param.data.mul_(0.5)
+    before = model.fp8_cache.quantized
+    changed = train_app.evaluate(args, parallel, device, model, held_out)
+    assert model.fp8_cache.quantized - before == fp8_weights(model)
+    use_fp8(model, Fp8WeightCache())
+    assert changed == train_app.evaluate(args, parallel, device, model, held_out)
 
 # 4 layers (pp 2 needs 4 chunks), 8 micro-batches of one 32-token row: each micro-batch the same row on every
 # layout, so the 1 x 128 blocks along its tokens that the dense weight gradients quantize are the same too

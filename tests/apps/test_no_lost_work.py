@@ -1,6 +1,7 @@
 """No lost work: a run folder holds one run, locked while it lives; checkpoints are checked on load and never
 hold non-finite weights; SIGTERM / Ctrl-C finish the step and checkpoint; every bad input or environment
 failure ends in one line and exit 2."""
+import itertools
 import json
 import os
 import signal
@@ -15,7 +16,7 @@ import torch
 import pith_apps.run_folder as run_folder
 import pith_apps.train as train_app
 from distributed import free_port, run_on_processes
-from pith_apps.data import batch_at
+from pith_apps.train import gradient_step
 from pith_engine import checkpoint
 from pith_engine.cuda_graph import CaptureError
 
@@ -55,19 +56,47 @@ def test_a_new_run_into_a_held_folder_is_refused_and_overwrite_replaces_it(tmp_p
     assert json.loads((tmp_path / "run.json").read_text())["id"] != run_id
 
 
-def test_going_back_to_an_earlier_step_prunes_by_recency_and_latest_stays_valid(tmp_path):
+def test_a_resume_that_would_read_other_batches_is_refused_in_one_line(tmp_path, capsys):
+    """A step's batch is its samples of the seed's epoch order of the training tokens: another --seq-len,
+    --batch-size, --seed, dataset or held-out part would make the resumed steps read other samples (held-out ones
+    among them) with nothing said. Each is refused naming the saved value and the new; the same flags resume."""
+    run(tmp_path, "--steps", "4", "--save-every", "2")
+    saved = tmp_path / "checkpoints" / "step-00000004"
+    for flags, changed in [(["--seq-len", "16"], "--seq-len 32 (now 16)"),
+                           (["--batch-size", "4"], "--batch-size 8 (now 4)"), (["--seed", "1"], "--seed 0 (now 1)"),
+                           (["--eval-every", "2"], "held-out tokens (--eval-every, --eval-batches) 0 (now 1025)")]:
+        error = one_line_error(capsys, tmp_path, "--steps", "6", "--resume", *flags)
+        assert error == (f"checkpoint '{saved}' was trained with {changed}: resume with its values, or start a new "
+                         f"run from its weights: --init {saved} (and another --out)")
+    (tmp_path / "short.txt").write_text("a short text of other stories\n" * 400)
+    error = one_line_error(capsys, tmp_path, "--steps", "6", "--resume", "--data", str(tmp_path / "short.txt"))
+    assert error.startswith(f"checkpoint '{saved}' was trained with dataset tokens (--data, --text-field, --tokenizer) ")
+    assert len(run(tmp_path, "--steps", "6", "--resume")) == 2
+
+def test_going_back_to_an_earlier_step_prunes_by_recency_and_latest_stays_valid(tmp_path, capsys):
     """The old bug: pruning by step number deleted every checkpoint a run wrote below the folder's highest."""
     run(tmp_path, "--steps", "30", "--save-every", "10")
     run(tmp_path, "--steps", "25", "--save-every", "5", "--resume-from", "20")
     names = sorted(p.name for p in (tmp_path / "checkpoints").glob("step-*"))
     assert names == ["step-00000025", "step-00000030"] and checkpoint.latest(tmp_path / "checkpoints").name == names[0]
     assert len(run(tmp_path, "--steps", "27", "--resume")) == 2
+    assert run(tmp_path, "--steps", "27", "--resume") == []   # done: nothing to train
+    assert one_line_error(capsys, tmp_path, "--steps", "26", "--resume") == (
+        "the checkpoint is at step 27, past --steps 26; give --steps above 27 to train on from it")
 
 
 def test_resume_with_nothing_to_resume_and_a_missing_step_are_named(tmp_path, capsys):
     assert one_line_error(capsys, tmp_path / "new", "--resume") == (
         f"--resume: {tmp_path / 'new' / 'checkpoints'} holds no checkpoint to resume from; drop --resume to start a "
         "new run")
+    run(tmp_path / "none", "--steps", "2", "--save-every", "0")   # a run that saved nothing (or died before)
+    assert one_line_error(capsys, tmp_path / "none", "--steps", "2") == (
+        f"--out {tmp_path / 'none'} already holds a run (qwen3, no checkpoint yet); replace it with --overwrite, or "
+        "choose another --out")
+    assert one_line_error(capsys, tmp_path / "none", "--resume") == (
+        f"--resume: {tmp_path / 'none' / 'checkpoints'} holds no checkpoint to resume from; start the run over with "
+        "--overwrite instead of --resume")
+    assert len(run(tmp_path / "none", "--steps", "2", "--overwrite")) == 2
     run(tmp_path / "new", "--steps", "4", "--save-every", "2")
     assert one_line_error(capsys, tmp_path / "new", "--resume-from", "3") == (
         f"--resume-from 3: no checkpoint '{tmp_path / 'new' / 'checkpoints' / 'step-00000003'}'; give a step of 2, 4 "
@@ -161,6 +190,7 @@ def test_no_room_for_a_checkpoint_is_named_before_the_first_step_and_a_failed_sa
 
 @pytest.mark.parametrize("data,named", [
     ("", "holds no text (its files are empty)"),
+    ("\n\n\n", "holds no text (every 'text' is empty)"),
     ('{"text": "ok"}\n{"text": broken\n', "could not be read: data.jsonl line 2: Expecting value: line 1 column 10"),
     (b"good line\nbad \xff byte\n", "could not be read: data.txt line 2: 'utf-8' codec can't decode byte 0xff"),
     ('{"text": "ok"}\n{"text": 5}\n', "has a 'text' of type int in row 2; every 'text' must be a string"),
@@ -177,6 +207,43 @@ def test_an_out_that_cannot_be_a_writable_folder_and_contradicting_flags_are_nam
         f"--out {tmp_path / 'file' / 'run'} is not a writable folder (Not a directory); choose another --out")
     assert one_line_error(capsys, tmp_path / "run", "--resume", "--overwrite") == (
         "--overwrite starts the run over; it cannot go with --resume or --resume-from")
+    assert one_line_error(capsys, tmp_path / "run", "--resume", "--resume-from", "2") == (
+        "--resume continues from the newest checkpoint, --resume-from from the one it names: give one of them")
+
+
+@pytest.mark.parametrize("flags,named", [
+    (["--lr", "inf"], "--lr=inf must be a finite number > 0"), (["--lr", "nan"], "--lr=nan must be a finite number > 0"),
+    (["--clip", "0"], "--clip=0.0 must be a finite number > 0"),
+    (["--warmup", "-1"], "--warmup=-1 must be a finite number >= 0"),
+    (["--weight-decay", "-5"], "--weight-decay=-5.0 must be a finite number >= 0"),
+    (["--steps", "2.5"], "argument --steps: invalid int value: '2.5'; see --help"),
+    (["--dtype", "float16"], "argument --dtype: invalid choice: 'float16' (choose from 'float32', 'bfloat16'); see "
+     "--help"),
+])
+def test_a_bad_value_is_named_in_one_line(tmp_path, capsys, flags, named):
+    assert one_line_error(capsys, tmp_path / "run", *flags) == named
+    assert not (tmp_path / "run").exists()
+
+
+def test_running_out_of_memory_or_an_interrupt_before_the_first_step_ends_in_one_line(tmp_path, capsys, monkeypatch):
+    """Out of memory names the way out (the rank that ran out under torchrun); Ctrl-C before the first step (while
+    the model is built: StopSignals takes it from the first step on) says the checkpoints are intact."""
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
+                                     "139.8 GiB\nmore lines")
+    monkeypatch.setattr(train_app, "build_model", out_of_memory)
+    assert one_line_error(capsys, tmp_path / "a") == (
+        "out of memory: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 139.8 GiB; "
+        "lower --micro-batch-size or --seq-len, or spread the model over more GPUs (--ep, --pp, --dp): "
+        "skills/pith-apps/estimate-memory tells what a layout needs")
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(train_app, "build_model", interrupted)
+    with pytest.raises(SystemExit) as stop:
+        train_app.main([*QUICK, "--out", str(tmp_path / "b")])
+    assert stop.value.code == 130 and capsys.readouterr().err.strip().splitlines() == [
+        "pith-train: interrupted; the checkpoints written so far are intact"]
 
 
 def test_a_read_only_out_is_named_in_one_line(tmp_path, capsys):
@@ -247,23 +314,27 @@ def test_a_killed_runs_lock_does_not_block_the_next(tmp_path):
     assert len(run(tmp_path, "--steps", "3", "--resume")) <= 2
 
 
-def stop_at(step_to_signal, sig):
-    """batch_at that sends this process `sig` when asked for step `step_to_signal` (counted from 0)."""
-    def batch_or_signal(stream, step, *rest):
-        if step == step_to_signal:
+def stop_during(step_to_signal, sig):
+    """gradient_step that sends this process `sig` after the forwards and backwards of step `step_to_signal`
+    (counted from 1), before its all-reduce: the signal comes while the step works."""
+    steps = itertools.count(1)
+
+    def step_then_signal(*args, **kwargs):
+        done = gradient_step(*args, **kwargs)
+        if next(steps) == step_to_signal:
             os.kill(os.getpid(), sig)
-        return batch_at(stream, step, *rest)
-    return batch_or_signal
+        return done
+    return step_then_signal
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_finishes_the_step_checkpoints_and_resume_repeats_the_uninterrupted_run(tmp_path, monkeypatch, sig):
     flags = ["--steps", "20", "--save-every", "100"]
     straight = run(tmp_path / "straight", *flags)
-    monkeypatch.setattr(train_app, "batch_at", stop_at(11, sig))
+    monkeypatch.setattr(train_app, "gradient_step", stop_during(12, sig))
     stopped = run(tmp_path / "stopped", *flags)
     assert len(stopped) == 12 and checkpoint.latest(tmp_path / "stopped" / "checkpoints").name == "step-00000012"
-    monkeypatch.setattr(train_app, "batch_at", batch_at)
+    monkeypatch.setattr(train_app, "gradient_step", gradient_step)
     assert stopped + run(tmp_path / "stopped", *flags, "--resume") == straight   # float32 CPU: bit-identical
 
 
@@ -272,9 +343,9 @@ def signalled_on_two_processes(rank, world, root):
     flags = ["--steps", "12", "--save-every", "100", "--dp", "2"]
     straight = run(root / "straight", *flags)
     if rank == 0:
-        train_app.batch_at = stop_at(5, signal.SIGTERM)
+        train_app.gradient_step = stop_during(6, signal.SIGTERM)
     stopped = run(root / "stopped", *flags)
-    train_app.batch_at = batch_at
+    train_app.gradient_step = gradient_step
     resumed = run(root / "stopped", *flags, "--resume")
     if rank == 0:
         (root / "losses.json").write_text(json.dumps(dict(straight=straight, stopped=stopped, resumed=resumed)))

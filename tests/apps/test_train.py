@@ -15,9 +15,12 @@ from hf_compare import bpe_tokenizer, tiny_hf_folder
 from pith_apps.config import ConfigError, flops_per_token
 from pith_apps.data import (DEFAULT_CORPUS, ByteTokenizer, HFTokenizer, batch_at, document_ids, held_out_batch,
                              split_held_out, token_store)
+from pith_apps.models.layers import use_fp8
+from pith_apps.run_log import make_progress
 from pith_engine.compile import compile_stages
 from pith_engine.contract import moe_layers
 from pith_engine.optim import adamw, lr_at
+from pith_ops.fp8 import Fp8WeightCache
 
 QUICK = ["--steps", "60", "--batch-size", "8", "--seq-len", "64", "--warmup", "10", "--quiet"]
 
@@ -49,12 +52,12 @@ def test_bf16_compute_follows_the_fp32_run_and_keeps_fp32_weights_and_optimizer_
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (the device machine)")
-@pytest.mark.parametrize("model", list(train_app.MODELS))
-def test_the_replayed_cuda_graph_step_trains_and_evaluates_as_the_eager_step(model):
+@pytest.mark.parametrize("model,fp8", [(model, False) for model in train_app.MODELS] + [("qwen3", True)])
+def test_the_replayed_cuda_graph_step_trains_and_evaluates_as_the_eager_step(model, fp8):
     """On one GPU the app replays its step as a CUDA graph from step 3. train_on's loop (without its TensorBoard
     log), eagerly and through step_graph: the losses of 8 steps under a warmup schedule (the lr changes each step)
-    and held-out losses evaluated between replays (the bf16 copies of the weights made afresh) match within 1e-4
-    (atomic adds in the embedding's backward)."""
+    and held-out losses evaluated before the capture and between replays (the bf16 copies of the weights and,
+    with --fp8, their FP8 blocks made afresh) match within 1e-4 (atomic adds in the embedding's backward)."""
     args = train_app.parse_args([model, *QUICK, "--steps", "8", "--warmup", "8", "--eval-batches", "2", "--device",
                                  "cuda"])
     train_app.check_args(args)
@@ -67,19 +70,21 @@ def test_the_replayed_cuda_graph_step_trains_and_evaluates_as_the_eager_step(mod
                                     torch.bfloat16, args.seed, args.seq_len, args.balance, 1)
         compile_stages(net)
         optimizer = adamw(net, args.lr, args.weight_decay)
+        if fp8:
+            use_fp8(net, Fp8WeightCache().watch(optimizer))
         graph = train_app.step_graph(args, parallel, device, net, optimizer) if graphed else None
         losses, evals = [], []
         for step in range(args.steps):
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(step, args.lr, args.warmup, args.steps, args.schedule)
             ids, labels = batch_at(stream, step, args.seed, args.batch_size, args.seq_len)
-            losses.append(train_app.train_step(args, parallel, device, net, optimizer, step + 1, ids, labels, False,
+            losses.append(train_app.train_step(args, parallel, device, net, optimizer, step + 1, ids, labels,
                                                graph)[0])
-            if step % 3 == 2:
+            if step % 3 == 1:
                 evals.append(train_app.evaluate(args, parallel, device, net, held_out))
         runs.append((losses, evals, graph))
     (graph_losses, graph_evals, graph), (eager_losses, eager_evals, _) = runs
-    assert graph.graph is not None and len(graph_evals) == 2   # captured, and evaluated between replays
+    assert graph.graph is not None and len(graph_evals) == 3   # captured, and evaluated before and between replays
     assert graph_losses == pytest.approx(eager_losses, rel=1e-4) and graph_evals == pytest.approx(eager_evals, rel=1e-4)
 
 
@@ -113,7 +118,7 @@ def test_paired_expert_weight_gradients_sum_as_one_micro_batch_at_a_time(model, 
         optimizer.register_step_pre_hook(lambda opt, *_: grads.append({n: p.grad.clone() for n, p in
                                                                        net.named_parameters()}))
         passes.clear()
-        train_app.train_step(args, parallel, device, net, optimizer, 1, ids, labels, False)
+        train_app.train_step(args, parallel, device, net, optimizer, 1, ids, labels)
         weights = 2 * len(experts)
         assert passes == ([True] * weights + [False] * weights if paired else [False] * 3 * weights)
     for name, grad in grads[0].items():
@@ -235,6 +240,8 @@ def test_run_config_file_sets_the_flags_and_the_command_line_overrides_it(tmp_pa
     ('steps = 5', [], "no model family given; valid: qwen3, deepseek_v2, gpt_oss, qwen3_5 (as the first argument or"),
     ('', ["qwen3", "--config", "GPT_OSS"], "config 'GPT_OSS' is a gpt_oss config (model_type 'gpt_oss'), not qwen3; "
      "run: pith-train gpt_oss --config GPT_OSS"),
+    ('', ["qwen3", "--init", "GPT_DIR"], "config 'GPT_DIR/config.json' is a gpt_oss config (model_type 'gpt_oss'), "
+     "not qwen3; run: pith-train gpt_oss --init GPT_DIR"),
     ('', ["qwen3", "--config", "LLAMA"], "config 'LLAMA' has model_type 'llama', which Pith does not train; valid: "
      "qwen3_moe (qwen3), deepseek_v2 (deepseek_v2), gpt_oss (gpt_oss)"),
 ])
@@ -242,7 +249,10 @@ def test_bad_run_config_or_config_of_another_family_ends_with_one_line(toml, arg
     run, llama = tmp_path / "run.toml", tmp_path / "llama.json"
     run.write_text(toml + "\n")
     llama.write_text('{"model_type": "llama"}')
-    paths = {"RUN": str(run), "LLAMA": str(llama), "GPT_OSS": str(options.PRESETS / "gpt_oss_tiny.json")}
+    (tmp_path / "gpt").mkdir()
+    (tmp_path / "gpt" / "config.json").write_text((options.PRESETS / "gpt_oss_tiny.json").read_text())
+    paths = {"RUN": str(run), "LLAMA": str(llama), "GPT_OSS": str(options.PRESETS / "gpt_oss_tiny.json"),
+             "GPT_DIR": str(tmp_path / "gpt")}
     argv = [paths.get(a, a) for a in argv]
     with pytest.raises(SystemExit) as stop:
         train_app.main([*argv, "--run-config", str(run), "--out", str(tmp_path / "out")])
@@ -275,22 +285,25 @@ def test_training_with_a_hugging_face_tokenizer_lowers_the_loss(tmp_path):
     assert abs(losses[0] - math.log(257)) < 0.3 and losses[-1] < losses[0] - 1.5, losses
 
 
-@pytest.mark.parametrize("vocab,end_token,file,named", [
-    (300, "<|endoftext|>", "tokenizer.json", "the tokenizer (TOK) has 300 tokens, more than the model's "
+@pytest.mark.parametrize("vocab,end_token,file,config,named", [
+    (300, "<|endoftext|>", "tokenizer.json", "{}", "the tokenizer (TOK) has 300 tokens, more than the model's "
      "vocab_size=257; give a config with vocab_size >= 300 or the model's own tokenizer"),
-    (257, "<sep>", "tokenizer.json", "--tokenizer 'TOK': cannot tell its end-of-document token; none of "
+    (257, "<sep>", "tokenizer.json", "{}", "--tokenizer 'TOK': cannot tell its end-of-document token; none of "
      "<|endoftext|>, </s>, <|end_of_text|>, <eos> is in its vocabulary"),
-    (257, "<|endoftext|>", "missing.json", "--tokenizer 'TOK': no such file; give a tokenizer.json or a folder"),
-    (257, "<|endoftext|>", "tokenizer_config.json", "--tokenizer 'TOK' is not a tokenizer.json the tokenizers "
+    (257, "<|endoftext|>", "missing.json", "{}", "--tokenizer 'TOK': no such file; give a tokenizer.json or a folder"),
+    (257, "<|endoftext|>", "tokenizer_config.json", "{}", "--tokenizer 'TOK' is not a tokenizer.json the tokenizers "
      "library reads"),
+    (257, "<|endoftext|>", "tokenizer.json", "{bad", "config file 'DIR/tokenizer_config.json' is not valid JSON: "),
+    (257, "<|endoftext|>", "tokenizer.json", '{"eos_token": "<end>"}', "--tokenizer 'TOK': the eos_token '<end>' "
+     "that tokenizer_config.json beside it names is not in its vocabulary"),
 ])
-def test_a_bad_tokenizer_ends_with_one_line(vocab, end_token, file, named, tmp_path, capsys):
+def test_a_bad_tokenizer_ends_with_one_line(vocab, end_token, file, config, named, tmp_path, capsys):
     folder = bpe_tokenizer(tmp_path / "tok", vocab, end_token)
-    (folder / "tokenizer_config.json").write_text("{}")
+    (folder / "tokenizer_config.json").write_text(config)
     with pytest.raises(SystemExit) as stop:
         train_app.main(["qwen3", "--tokenizer", str(folder / file), "--out", str(tmp_path / "run"), *QUICK])
     lines = capsys.readouterr().err.strip().splitlines()
-    expected = f"pith-train: error: {named.replace('TOK', str(folder / file))}"
+    expected = f"pith-train: error: {named.replace('TOK', str(folder / file)).replace('DIR', str(folder))}"
     assert stop.value.code == 2 and len(lines) == 1 and lines[0].startswith(expected), lines
     assert not (tmp_path / "run").exists()
 
@@ -317,7 +330,7 @@ def test_init_starts_from_a_hugging_face_folder_with_its_weights_and_tokenizer(t
     with pytest.raises(SystemExit):
         train_app.main(["qwen3", "--init", str(folder), "--config", str(folder / "config.json")])
     assert capsys.readouterr().err.strip() == ("pith-train: error: --init DIR takes the model's config from "
-                                               "DIR/config.json; leave out --config")
+                                               "DIR; leave out --config")
 
 
 def write_dataset(folder, kind, docs, field="text"):
@@ -383,14 +396,90 @@ def test_fine_tune_then_export_gives_a_folder_transformers_loads_with_our_logits
         assert relative_error(start_logits, logits) > 1e-3   # the export holds the trained weights, not the start
 
 
-def test_export_to_a_folder_that_cannot_be_written_ends_with_one_line(tmp_path, capsys):
-    (tmp_path / "file").write_text("")
+def export_refusal(tmp_path, capsys, export, *flags) -> str:
     with pytest.raises(SystemExit) as stop:
-        train_app.main(["qwen3", "--export-hf", str(tmp_path / "file" / "export"), "--out", str(tmp_path / "run"),
-                        "--steps", "2", "--batch-size", "2", "--seq-len", "16", "--quiet"])
-    assert stop.value.code == 2 and capsys.readouterr().err.strip() == (
-        f"pith-train: error: --export-hf {tmp_path / 'file' / 'export'}: could not write it (Not a directory); the "
-        "run and its checkpoints are intact")
+        train_app.main(["qwen3", "--export-hf", str(export), "--out", str(tmp_path / "run"), "--steps", "2",
+                        "--batch-size", "2", "--seq-len", "16", "--quiet", *flags])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2 and len(lines) == 1 and lines[0].startswith("pith-train: error: --export-hf "), lines
+    return lines[0].removeprefix("pith-train: error: --export-hf ")
+
+
+def test_an_export_that_would_lose_files_or_cannot_be_written_is_refused_before_the_run(tmp_path, capsys):
+    """The export replaces its folder whole: one that holds other files, the run's own folder or a part of it, the
+    --init folder, or a path that cannot be written is refused in one line before anything trains."""
+    (tmp_path / "file").write_text("")
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("keep me")
+    start = tiny_hf_folder(tmp_path / "start")
+    capsys.readouterr()   # transformers' progress
+    run = tmp_path / "run"
+    for export, flags, error in [
+            (tmp_path / "file" / "export", [], f"cannot be written ({tmp_path / 'file'} is a file); give another "
+             "folder"),
+            (tmp_path / "notes", [], "holds 'todo.txt', which the folder, replaced whole, would lose; give a new or "
+             "empty folder"),
+            (run, [], f"would replace the run folder {run} or part of it; give a folder of its own (one inside the "
+             f"run folder is fine: {run / 'export'})"),
+            *((folder, [], f"would replace the run folder {run} or part of it; give a folder of its own (one "
+               f"inside the run folder is fine: {run / 'export'})") for folder in (tmp_path, run / "checkpoints" / "x")),
+            (start, ["--init", str(start)], "is the --init folder the run starts from; give another folder")]:
+        assert export_refusal(tmp_path, capsys, export, *flags) == f"{export} {error}"
+        assert not run.exists()
+    assert (tmp_path / "notes" / "todo.txt").read_text() == "keep me"
+
+
+def test_an_export_that_fails_at_the_end_says_so_in_one_line(tmp_path, capsys, monkeypatch):
+    import pith_apps.hf_checkpoint as hf_checkpoint
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(hf_checkpoint, "replace_dir", disk_full)   # save_hf's last move
+    assert export_refusal(tmp_path, capsys, tmp_path / "export") == (
+        f"{tmp_path / 'export'}: could not write it (No space left on device); the run and its checkpoints are intact")
+    assert (tmp_path / "run" / "checkpoints" / "step-00000002").is_dir()
+
+
+def test_convert_refuses_a_folder_it_would_lose_files_of(tmp_path, capsys):
+    """pith-convert replaces OUT whole: a file, or a folder holding anything but an earlier output of the same kind
+    (the source itself, the run folder above it), is refused in one line and left as it was."""
+    from pith_apps import convert
+    from pith_engine import checkpoint
+    train_app.main(["qwen3", "--out", str(tmp_path / "run"), "--steps", "1", "--batch-size", "2", "--seq-len", "16",
+                    "--quiet"])
+    saved = tmp_path / "run" / "checkpoints" / "step-00000001"
+    (tmp_path / "file").write_text("keep me")
+    for source, out, holds in [(saved, tmp_path / "run", "'.lock' and 3 more"), (saved, saved, "'.metadata' and 2 more"),
+                               (tmp_path / "hf", tmp_path / "hf", "'config.json' and 2 more")]:
+        if not source.exists():
+            convert.main([str(saved), str(source)])
+        with pytest.raises(SystemExit) as stop:
+            convert.main([str(source), str(out)])
+        assert stop.value.code == 2 and capsys.readouterr().err.strip() == (
+            f"pith-convert: error: OUT {out} holds {holds}, which the folder, replaced whole, would lose; give a new "
+            "or empty folder")
+    with pytest.raises(SystemExit):
+        convert.main([str(saved), str(tmp_path / "file")])
+    assert capsys.readouterr().err.strip() == f"pith-convert: error: OUT {tmp_path / 'file'} is a file; give a new folder"
+    assert (tmp_path / "file").read_text() == "keep me" and checkpoint.damage(saved) is None
+    convert.main([str(saved), str(tmp_path / "hf")])   # an earlier export of its own is replaced
+    assert capsys.readouterr().out.strip().endswith(f"wrote {tmp_path / 'hf'}")
+
+
+def test_a_run_from_a_checkpoint_starts_from_its_weights_as_from_their_hugging_face_export(tmp_path):
+    """--init takes a checkpoint of the app (a training one, or a weights one pith-convert made) as it takes a
+    Hugging Face folder: the runs from the checkpoint, from its export and from that export converted back train
+    alike (float32: the same weights, to the bit), and not as a run from scratch."""
+    from pith_apps import convert
+    flags = ["--steps", "3", "--batch-size", "4", "--seq-len", "32", "--quiet", "--save-every", "0"]
+    train_app.main(["qwen3", *flags, "--save-every", "3", "--out", str(tmp_path / "first")])
+    saved = tmp_path / "first" / "checkpoints" / "step-00000003"
+    convert.main([str(saved), str(tmp_path / "hf")])
+    convert.main([str(tmp_path / "hf"), str(tmp_path / "weights")])
+    runs = [train_app.train(train_app.parse_args(["qwen3", *flags, "--out", str(tmp_path / f"run{n}"), *start]))
+            for n, start in enumerate([["--init", str(saved)], ["--init", str(tmp_path / "hf")],
+                                       ["--init", str(tmp_path / "weights")], []])]
+    assert runs[0] == runs[1] == runs[2] and abs(runs[0][0] - runs[3][0]) > 0.05
 
 
 def test_a_run_from_a_model_folder_is_named_after_it(tmp_path, monkeypatch):
@@ -402,7 +491,7 @@ def test_a_run_from_a_model_folder_is_named_after_it(tmp_path, monkeypatch):
 
 def test_without_a_terminal_progress_is_a_line_every_twentieth_of_the_run(capsys):
     args = train_app.parse_args(["qwen3", "--steps", "50"])
-    update = train_app.make_progress(10, args, terminal=False)   # resumed at step 10: 40 steps to go
+    update = make_progress(10, args, terminal=False)   # resumed at step 10: 40 steps to go
     for step in range(40):
         update(5.0 - step / 10, 1234.5)
     lines = capsys.readouterr().out.splitlines()

@@ -63,6 +63,20 @@ def test_one_process_computes_in_bf16_with_fp32_master_weights_and_gradients(fam
         assert moved.numel() == 0 or (moved - 1e-5).abs().max().item() < 2.5e-7, name
 
 
+def test_weight_decay_spares_every_familys_norms_and_biases_the_expert_stacks_included():
+    """GPT-OSS's experts' biases are [E, n] stacks: no decay, as the 1-d biases and norms."""
+    for family in MODELS:
+        model = tiny(family)
+        decay, no_decay = adamw(model, lr=1e-3, weight_decay=0.1).param_groups
+        names = {id(p): name for name, p in model.named_parameters()}
+        spared = {names[id(p)] for p in no_decay["params"]}
+        assert all(p.ndim >= 2 for p in decay["params"]) and all(
+            p.ndim == 1 or names[id(p)].endswith("bias") for p in no_decay["params"]), family
+        assert len(decay["params"]) + len(spared) == len(names)
+        if family == "gpt_oss":
+            assert {f"model.layers.0.mlp.experts.{n}_proj_bias" for n in ("gate_up", "down")} <= spared
+
+
 def test_one_process_casts_once_per_step_and_adds_each_micro_batch_into_the_fp32_gradient():
     """The bf16 copies are made once per optimizer step and reused by its micro-batches (never stale after
     the update), and the fp32 gradient is the fp32 sum of the bf16 model's micro-batch gradients, bit for bit."""

@@ -42,7 +42,8 @@ def test_the_simulated_bubble_with_equal_chunk_costs_is_the_stated_one(pp, micro
 
 def test_too_few_micro_batches_is_one_line_naming_the_minimum():
     with pytest.raises(LayoutError, match=r"^DualPipeV needs at least 2 x pp = 8 micro-batches per step, not 7; "
-                                          r"raise the batch size or lower --pp$"):
+                                          r"raise --batch-size, lower --micro-batch-size \(micro-batches: the batch "
+                                          r"size over micro-batch size x data ranks\) or lower --pp$"):
         schedule(4, 7, 0)
 
 

@@ -162,6 +162,7 @@ def test_crash_during_save_keeps_the_previous_checkpoint_and_old_ones_are_pruned
         with pytest.raises(checkpoint.CheckpointError, match=r"could not write checkpoint '.*step-00000002' \(OSError: "
                            r"disk full; [0-9.]+ GB free there\); the last good checkpoint is '.*step-00000001'"):
             checkpoint.save(tmp_path, 2, model, optimizer, {})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-00000001"]   # the partial one removed
     with torch.no_grad():
         for p in model.parameters():
             p.zero_()

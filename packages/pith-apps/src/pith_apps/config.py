@@ -5,12 +5,25 @@ training app prints that one line and exits non-zero.
 """
 import dataclasses
 import json
+import os
 import typing
 from pathlib import Path
 
 
 class ConfigError(ValueError):
     """A user-facing problem with a config, a path or a flag."""
+
+
+def write_problem(folder: Path) -> str | None:
+    """Why a file cannot be written in folder (made when missing), tried with one of our own; None: it can."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".write-test-{os.getpid()}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as err:
+        return err.strerror or str(err)
+    return None
 
 
 def read_json(path: str | Path) -> dict:

@@ -8,19 +8,18 @@ Either way the model is built whole in this process's memory, in fp32 on the CPU
 same two paths on several processes: --init has rank 0 turn the folder into a weights checkpoint that every
 rank loads its part of, and --export-hf has rank 0 export the run's last checkpoint.
 """
-import argparse
 import sys
 from pathlib import Path
 
 import torch
 
 from pith_apps.config import ConfigError, read_json, require
-from pith_apps.hf_checkpoint import load_hf_weights, save_hf
-from pith_apps.options import FAMILY_OF, MODELS, TOKENIZER_FILES
+from pith_apps.hf_checkpoint import check_replaceable, load_hf_weights, save_hf
+from pith_apps.options import DTYPES, FAMILY_OF, MODELS, TOKENIZER_FILES, OneLineParser
 from pith_engine import checkpoint
 from pith_engine.parallel import Parallel
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+WEIGHTS_CHECKPOINT_FILES = ("meta.json", ".metadata", "*.distcp")   # what hf_to_checkpoint writes
 
 
 def whole_model(family: str, hf_config: dict) -> torch.nn.Module:
@@ -70,25 +69,30 @@ def hf_to_checkpoint(folder, out) -> Path:
             f"valid: {', '.join(FAMILY_OF)}")
     model = whole_model(family, data)
     load_hf_weights(model, folder)
-    return checkpoint.save_weights(out, model, dict(model=family, hf_config=data, tokenizer=str(folder)))
+    own = Path(folder, "tokenizer.json")
+    return checkpoint.save_weights(out, model, dict(model=family, hf_config=data,
+                                                    tokenizer=str(own.absolute()) if own.is_file() else None))
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="pith-convert", description="Convert a checkpoint of the app (any layout) "
+    parser = OneLineParser(prog="pith-convert", description="Convert a checkpoint of the app (any layout) "
                                      "to a Hugging Face model folder, or a Hugging Face folder to a weights checkpoint.")
     parser.add_argument("source", help="A checkpoint folder (step-N, with meta.json) or a Hugging Face model folder "
                         "(with config.json).")
-    parser.add_argument("out", help="The folder to write; replaced whole if it exists.")
+    parser.add_argument("out", help="The folder to write: new, empty, or an earlier output of this kind (replaced "
+                        "whole).")
     parser.add_argument("--dtype", choices=DTYPES, help="The dtype of the Hugging Face weights (default: float32, "
                         "as the checkpoint holds them).")
     args = parser.parse_args(argv)
     try:
         source = Path(args.source)
         if (source / "meta.json").is_file():
+            check_replaceable(args.out, "OUT")
             checkpoint_to_hf(source, args.out, DTYPES.get(args.dtype))
         else:
             require((source / "config.json").is_file(), f"'{source}' is neither a checkpoint (meta.json) nor a "
                     "Hugging Face model folder (config.json)")
+            check_replaceable(args.out, "OUT", WEIGHTS_CHECKPOINT_FILES)
             hf_to_checkpoint(source, args.out)
         print(f"wrote {args.out}")
     except ConfigError as err:

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pith_apps.config import ConfigError
+from pith_apps.config import ConfigError, read_json, require
 
 DEFAULT_CORPUS = Path(__file__).parent / "corpus" / "tiny_stories.txt"
 BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
@@ -67,19 +67,22 @@ class HFTokenizer:
                               f"{str(err).strip()[:200]}") from None
         self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
         self.fingerprint = hashlib.sha256(file.read_bytes()).hexdigest()
-        self.eos_id = self.tokenizer.token_to_id(self.end_token(file) or "")
-        if self.eos_id is None:
-            raise ConfigError(f"--tokenizer '{file}': cannot tell its end-of-document token; none of "
-                              f"{', '.join(self.END_TOKENS)} is in its vocabulary and no tokenizer_config.json beside "
-                              "it names an eos_token")
+        self.eos_id = self.tokenizer.token_to_id(self.end_token(file))
 
-    def end_token(self, file: Path) -> str | None:
+    def end_token(self, file: Path) -> str:
         config = file.with_name("tokenizer_config.json")
-        eos = json.loads(config.read_text()).get("eos_token") if config.is_file() else None
+        eos = read_json(config).get("eos_token") if config.is_file() else None
         if eos:
-            return eos["content"] if isinstance(eos, dict) else eos   # transformers writes either form
+            eos = eos["content"] if isinstance(eos, dict) else eos   # transformers writes either form
+            require(self.tokenizer.token_to_id(eos) is not None, f"--tokenizer '{file}': the eos_token {eos!r} that "
+                    f"{config.name} beside it names is not in its vocabulary")
+            return eos
         vocab = self.tokenizer.get_vocab(with_added_tokens=True)
-        return next((token for token in self.END_TOKENS if token in vocab), None)
+        token = next((token for token in self.END_TOKENS if token in vocab), None)
+        require(token is not None, f"--tokenizer '{file}': cannot tell its end-of-document token; none of "
+                f"{', '.join(self.END_TOKENS)} is in its vocabulary and no tokenizer_config.json beside it names an "
+                "eos_token")
+        return token
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
@@ -180,6 +183,8 @@ def tokenize_into(scratch: Path, path, builder: str, files: list[str], field: st
     ids = dataset.map(encode_rows, batched=True, batch_size=1000, num_proc=processes if processes > 1 else None,
                       remove_columns=dataset.column_names, fn_kwargs=dict(tokenizer=tokenizer, field=field),
                       cache_file_name=str(scratch / "ids.arrow"))
+    if "ids" not in ids.column_names:   # every batch's texts empty: the map made no column
+        raise ConfigError(f"dataset '{path}' holds no text (every '{field}' is empty)")
     count = 0
     with open(scratch / "tokens.u32", "wb") as out:   # chunk by chunk: the token array is never in memory whole
         for chunk in ids.data.column("ids").chunks:
@@ -257,9 +262,10 @@ def split_held_out(tokens, batches: int, batch_size: int, seq_len: int):
     """(training tokens, held-out tokens): the stream's last `batches` global batches of samples are held out
     (none for 0); training never reads them."""
     held = batches * batch_size * seq_len + 1 if batches else 0
-    if len(tokens) - held < seq_len + 1:
-        raise ConfigError(f"the dataset's {len(tokens):,} tokens cannot hold out --eval-batches {batches} of "
-                          f"{batch_size} x {seq_len} tokens and still train; lower --eval-batches or use more data")
+    require(len(tokens) >= seq_len + 1, f"the dataset's {len(tokens):,} tokens hold no sample of --seq-len {seq_len} "
+            "(+ 1 for its last label); lower --seq-len or use more data")
+    require(len(tokens) - held >= seq_len + 1, f"the dataset's {len(tokens):,} tokens cannot hold out --eval-batches "
+            f"{batches} of {batch_size} x {seq_len} tokens and still train; lower --eval-batches or use more data")
     return tokens[:len(tokens) - held], tokens[len(tokens) - held:]
 
 

@@ -7,19 +7,23 @@ at a time and only the tensors this model instance holds (a pipeline or expert-p
 its layers and experts, so it reads only those). Export writes the views back out, one shard at a time.
 GPT-OSS expert weights stored as MXFP4 (`<name>_blocks` + `<name>_scales`) are decoded to the view's dtype.
 """
+import fnmatch
 import json
 import os
 import shutil
 from collections import defaultdict
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from pith_apps.config import ConfigError, read_json
+from pith_apps.config import ConfigError, read_json, require, write_problem
 
 MAX_SHARD_BYTES = 5 * 10**9
+HF_FOLDER_FILES = ("config.json", "*.safetensors", "model.safetensors.index.json", "tokenizer.json",
+                   "tokenizer_config.json", "special_tokens_map.json")   # what save_hf writes
 # E2M1 code -> value: codes 0..7 are 0, .5, 1, 1.5, 2, 3, 4, 6; codes 8..15 their negatives
 FP4_VALUES = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
 
@@ -41,8 +45,21 @@ def weight_map(model_dir: Path) -> dict[str, str]:
     single = model_dir / "model.safetensors"
     if not single.is_file():
         raise ConfigError(f"'{model_dir}' has neither model.safetensors nor model.safetensors.index.json")
-    with safe_open(single, "pt") as f:
-        return {name: single.name for name in f.keys()}
+    with damage_named(single):
+        with safe_open(single, "pt") as f:
+            return {name: single.name for name in f.keys()}
+
+
+@contextmanager
+def damage_named(file: Path):
+    """A safetensors file that cannot be read (truncated, not safetensors, without a tensor its index places in it)
+    as one line naming it."""
+    try:
+        yield
+    except (SafetensorError, OSError) as err:
+        why = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(f"'{file}' could not be read ({why}); its folder's weights are damaged or do not match "
+                          "their index") from None
 
 
 def text_model_names(files: dict[str, str]) -> dict[str, str]:
@@ -71,7 +88,7 @@ def load_hf_weights(model: torch.nn.Module, model_dir: str | Path):
             raise ConfigError(f"checkpoint '{model_dir}' has no tensor '{name}' (expected shape {tuple(view.shape)})")
     with torch.no_grad():
         for file, names in sorted(by_file.items()):
-            with safe_open(model_dir / file, "pt") as shard:
+            with damage_named(model_dir / file), safe_open(model_dir / file, "pt") as shard:
                 for name in names:
                     if name in files:
                         tensor = shard.get_slice(stored[name])[rows[name]]
@@ -81,6 +98,9 @@ def load_hf_weights(model: torch.nn.Module, model_dir: str | Path):
                         raise ConfigError(f"tensor '{name}' in '{model_dir / file}' has shape {tuple(tensor.shape)}; "
                                           f"the config expects {tuple(views[name].shape)}")
                     views[name].copy_(tensor)
+                    if not torch.isfinite(views[name]).all():   # (where the model is: on the GPU, fast)
+                        raise ConfigError(f"tensor '{name}' in '{model_dir / file}' holds non-finite values (NaN or "
+                                          "inf); training from it would give a NaN loss")
 
 
 def read_mxfp4(model_dir: Path, files: dict, shard, name: str, experts: slice) -> torch.Tensor:
@@ -142,3 +162,20 @@ def replace_dir(new: Path, target: Path):
         os.replace(target, old)
     os.replace(new, target)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def check_replaceable(out: str | Path, flag: str, kinds: tuple[str, ...] = HF_FOLDER_FILES):
+    """An output folder that a write replaces whole (save_hf, a weights checkpoint) must be new, empty, or hold only
+    the files such an output has (`kinds`, name patterns): anything else in it would be lost. And it must be
+    writable, checked before the work that ends in it."""
+    out = Path(out)
+    require(not out.exists() or out.is_dir(), f"{flag} {out} is a file; give a new folder")
+    if out.is_dir():
+        others = sorted(p.name for p in out.iterdir() if not any(fnmatch.fnmatch(p.name, kind) for kind in kinds))
+        if others:
+            raise ConfigError(f"{flag} {out} holds {others[0]!r}{f' and {len(others) - 1} more' if others[1:] else ''}"
+                              ", which the folder, replaced whole, would lose; give a new or empty folder")
+    above = next(folder for folder in out.absolute().parents if folder.exists())
+    require(above.is_dir(), f"{flag} {out} cannot be written ({above} is a file); give another folder")
+    problem = write_problem(out.parent)
+    require(problem is None, f"{flag} {out} cannot be written ({problem}); give another folder")

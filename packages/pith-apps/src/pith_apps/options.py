@@ -2,6 +2,7 @@
 checks, and the Hugging Face config a run's model is built from."""
 import argparse
 import json
+import math
 import os
 import re
 from pathlib import Path
@@ -33,8 +34,15 @@ DESCRIPTION = ("Train a Qwen3-MoE, DeepSeek-V2, GPT-OSS or Qwen3.5-MoE model on 
                "bar, logging to TensorBoard and checkpointing so that --resume continues the run.")
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """A bad flag in one line, as every other error (argparse would print the whole usage first)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}; see --help\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pith-train", description=DESCRIPTION)
+    parser = OneLineParser(prog="pith-train", description=DESCRIPTION)
     add = parser.add_argument
     add("model", nargs="?", help=f"The model family to train: {', '.join(MODELS)}.")
     add("--run-config", metavar="FILE.toml", help="A TOML file whose keys are these flags' names (model, preset, "
@@ -45,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--init", metavar="DIR", help="Start from the Hugging Face model folder DIR: its config.json (instead of "
         "--preset and --config), its safetensors weights and, unless --tokenizer is given, its tokenizer.json. "
         "On several processes rank 0 first writes the weights as a checkpoint in <out>/init-weights, which every "
-        "rank loads its part of.")
+        "rank loads its part of. DIR may also be a checkpoint of the app (step-N): its model, weights and tokenizer, "
+        "a new run (its optimizer state and step are not taken: that is --resume-from).")
     add("--layers", type=int, help="Use N decoder layers, for experiments: the config's first N, or, for a run that "
         "does not start from --init weights, more than the config has, its pattern of layers repeated (enough "
         "layers for --pp with a tiny preset, say).")
@@ -191,8 +200,13 @@ def check_args(args):
                  "image_every"):
         value = getattr(args, flag)
         require(value is None or value > 0, f"--{flag.replace('_', '-')}={value} must be a positive integer")
-    require(args.lr > 0 and args.clip > 0, f"--lr={args.lr} and --clip={args.clip} must be > 0")
-    require(args.warmup >= 0 and args.weight_decay >= 0, "--warmup and --weight-decay must be >= 0")
+    for flag, least in (("lr", 0), ("clip", 0), ("warmup", -1), ("weight_decay", -1)):   # > least (-1: >= 0)
+        value = getattr(args, flag)
+        require(math.isfinite(value) and value > least, f"--{flag.replace('_', '-')}={value} must be a finite number "
+                f"{'> 0' if least == 0 else '>= 0'}")
+    require(not (args.resume and args.resume_from), "--resume continues from the newest checkpoint, --resume-from "
+            "from the one it names: give one of them")
+    require(args.out != "", "--out is empty; give the run's folder, or leave --out out for runs/<model>-<preset>")
     require(args.device in ("cpu", "cuda") or args.device.startswith("cuda:"),
             f"unknown --device '{args.device}'; valid: cpu, cuda, cuda:N")
     require(not args.device.startswith("cuda") or torch.cuda.is_available(),
@@ -207,7 +221,8 @@ def check_args(args):
         require(missing is None, f"--fp8 cannot run here: {missing}; drop --fp8")
     processes = args.dp * args.ep * args.pp * args.cp
     require(not args.cuda_graph or (args.device != "cpu" and processes == 1), f"--cuda-graph needs CUDA and one "
-            f"process (here --device {args.device}, {processes} processes); leave it out or use --no-cuda-graph")
+            f"process (here --device {args.device}, {processes} process{'es' if processes > 1 else ''}); leave it out or "
+            "use --no-cuda-graph")
 
 
 def preset_names(family: str) -> list[str]:
@@ -222,24 +237,35 @@ def model_config(args):
     return MODELS[args.model][0].from_dict(hf_config_data(args))
 
 
+def init_checkpoint(args) -> bool:
+    """--init names a checkpoint of the app (a training one, or a weights one that pith-convert wrote)."""
+    return bool(args.init) and Path(args.init, "meta.json").is_file()
+
+
 def hf_config_data(args) -> dict:
     """The Hugging Face config the run's model is built from (preset, --config or --init, cut to --layers)."""
-    require(not (args.init and args.config), "--init DIR takes the model's config from DIR/config.json; leave out "
-            "--config")
+    require(not (args.init and args.config), "--init DIR takes the model's config from DIR; leave out --config")
     if args.init:
-        require(Path(args.init, "config.json").is_file(), f"--init '{args.init}' has no config.json; give a Hugging "
-                "Face model folder (config.json and *.safetensors)")
-    path = Path(args.init, "config.json") if args.init else Path(args.config or PRESETS / f"{args.model}_{args.preset}.json")
+        require(Path(args.init, "config.json").is_file() or init_checkpoint(args), f"--init '{args.init}' has no "
+                "config.json; give a Hugging Face model folder (config.json and *.safetensors) or a checkpoint of the "
+                "app (step-N, with meta.json)")
+    path = Path(args.init, "meta.json" if init_checkpoint(args) else "config.json") if args.init else \
+        Path(args.config or PRESETS / f"{args.model}_{args.preset}.json")
     valid = preset_names(args.model)
     require(args.config or args.init or path.is_file(), f"unknown --preset '{args.preset}' for {args.model}; valid presets: "
             f"{', '.join(valid)}")
-    data = text_config(read_json(path))
+    data = read_json(path)
+    if init_checkpoint(args):
+        require("hf_config" in data, f"--init '{args.init}': the checkpoint does not record its model's config (saved "
+                "by an older Pith); resume its run for one step with --export-hf and --init that folder")
+        data = data["hf_config"]
+    data = text_config(data)
     model_type = data.get("model_type")
     family = FAMILY_OF.get(model_type, args.model if model_type is None else None)
     require(family is not None, f"config '{path}' has model_type {model_type!r}, which Pith does not train; valid: "
             + ", ".join(f"{kind} ({name})" for kind, name in FAMILY_OF.items()))
     require(family == args.model, f"config '{path}' is a {family} config (model_type {model_type!r}), not {args.model}; "
-            f"run: pith-train {family} --config {path}")
+            f"run: pith-train {family} {f'--init {args.init}' if args.init else f'--config {path}'}")
     if args.layers:
         layers = data.get("num_hidden_layers")
         require(isinstance(layers, int) and (args.layers <= layers or not args.init),

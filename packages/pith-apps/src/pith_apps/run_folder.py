@@ -15,7 +15,7 @@ import time
 import uuid
 from pathlib import Path
 
-from pith_apps.config import ConfigError, require
+from pith_apps.config import ConfigError, require, write_problem
 from pith_engine import checkpoint
 
 
@@ -35,25 +35,31 @@ class RunFolder:
             for old in (self.checkpoints, self.tb, self.run_file):
                 shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink(missing_ok=True)
         held = self.held()
-        require(not held or resume or resume_from, f"--out {self.out} already holds a run ({held}); continue it with "
-                "--resume, replace it with --overwrite, or choose another --out")
+        go_on = "continue it with --resume, " if self.latest_step() else ""   # (none saved: nothing to continue)
+        require(not held or resume or resume_from, f"--out {self.out} already holds a run ({held}); {go_on}replace "
+                "it with --overwrite, or choose another --out")
         if held:
             saved = self.read_run()
-            require(saved.get("config") == config, f"--out {self.out} holds a run of another model config; choose "
-                    "another --out, or replace that run with --overwrite")
+            require(saved.get("config") == config, f"--out {self.out} holds a run of another model config "
+                    f"({saved.get('model', 'unknown family')}; this run: {model}); choose another --out, or replace "
+                    "that run with --overwrite")
         start = self.resume_point(resume, resume_from)
         run_id = self.read_run().get("id") if held else uuid.uuid4().hex
         if not self.run_file.is_file():
             checkpoint.write_atomic(self.run_file, json.dumps(dict(id=run_id, model=model, config=config), indent=1))
         return run_id, start
 
+    def latest_step(self) -> str | None:
+        steps = sorted(self.checkpoints.glob("step-????????"))
+        return steps[-1].name if steps else None
+
     def held(self) -> str | None:
         """What run the folder holds, in words (None: none)."""
-        steps = sorted(self.checkpoints.glob("step-????????"))
-        if not steps and not self.run_file.is_file():
+        latest = self.latest_step()
+        if not latest and not self.run_file.is_file():
             return None
         model = self.read_run().get("model", "a model") if self.run_file.is_file() else "a model"
-        return f"{model}, checkpoints up to {steps[-1].name}" if steps else f"{model}, no checkpoint yet"
+        return f"{model}, checkpoints up to {latest}" if latest else f"{model}, no checkpoint yet"
 
     def read_run(self) -> dict:
         if not self.run_file.is_file():
@@ -72,8 +78,9 @@ class RunFolder:
                 path = checkpoint.latest(self.checkpoints)
             except checkpoint.CheckpointError as err:
                 raise ConfigError(f"{err}; {self.good_one()}") from None
-            require(path is not None, f"--resume: {self.checkpoints} holds no checkpoint to resume from; drop "
-                    "--resume to start a new run")
+            require(path is not None, f"--resume: {self.checkpoints} holds no checkpoint to resume from; " + (
+                "start the run over with --overwrite instead of --resume" if self.run_file.is_file() else
+                "drop --resume to start a new run"))
             return path
         path = self.checkpoints / f"step-{int(resume_from):08d}" if resume_from.isdigit() else Path(resume_from)
         steps = [p.name.removeprefix("step-").lstrip("0") for p in sorted(self.checkpoints.glob("step-????????"))]
@@ -89,14 +96,8 @@ class RunFolder:
         return f"the newest intact one is '{good}': continue with --resume-from {int(good.name.removeprefix('step-'))}"
 
     def make_writable(self):
-        try:
-            self.out.mkdir(parents=True, exist_ok=True)
-            probe = self.out / f".write-test-{os.getpid()}"
-            probe.write_text("ok")
-            probe.unlink()
-        except OSError as err:
-            raise ConfigError(f"--out {self.out} is not a writable folder ({err.strerror or err}); choose "
-                              "another --out") from None
+        problem = write_problem(self.out)
+        require(problem is None, f"--out {self.out} is not a writable folder ({problem}); choose another --out")
 
     def lock(self):
         self.lock_file = open(self.out / ".lock", "a+")

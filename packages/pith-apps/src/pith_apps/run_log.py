@@ -1,8 +1,11 @@
 """What a run writes to TensorBoard (<out>/tb), from rank 0: the step's scalars under train/, the held-out
 loss and perplexity under eval/, and each MoE layer's expert load as a heatmap image (layers x experts) and
 histograms under experts/, so that routing collapse shows at a glance. A resumed run purges what the
-interrupted one logged after the checkpoint it resumes from, so every curve holds each step once."""
+interrupted one logged after the checkpoint it resumes from, so every curve holds each step once. And what
+it shows on the console as it goes (make_progress)."""
 import math
+import sys
+import time
 
 import torch
 
@@ -52,3 +55,33 @@ def load_heatmap(loads: torch.Tensor, cell: int = 8) -> torch.Tensor:
     over, under = tilt.clamp_min(0), (-tilt).clamp_min(0)
     image = torch.stack([1 - under, 1 - over - under, 1 - over])   # red keeps R, blue keeps B, white keeps all
     return image.repeat_interleave(cell, 1).repeat_interleave(cell, 2)
+
+
+def make_progress(start: int, args, terminal: bool | None = None):
+    """A progress bar with the ETA on a terminal (stderr); elsewhere (a log file, a job scheduler) a line every
+    twentieth of the run and at its end."""
+    if args.quiet:
+        return lambda loss, tokens_per_s: None
+    if not (sys.stderr.isatty() if terminal is None else terminal):
+        return progress_lines(start, args.steps)
+    from tqdm import tqdm
+    bar = tqdm(total=args.steps, initial=start, desc=f"train {args.model}", unit="step", dynamic_ncols=True)
+
+    def update(loss, tokens_per_s):
+        bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
+        bar.update()
+        if bar.n == args.steps:
+            bar.close()
+    return update
+
+
+def progress_lines(start: int, steps: int):
+    every, tic, done = max(1, (steps - start) // 20), time.perf_counter(), [start]
+
+    def update(loss, tokens_per_s):
+        done[0] += 1
+        if (done[0] - start) % every == 0 or done[0] == steps:
+            left = (time.perf_counter() - tic) / (done[0] - start) * (steps - done[0])
+            print(f"step {done[0]}/{steps}: loss {loss:.3f}, {tokens_per_s:,.0f} tokens/s, "
+                  f"eta {int(left // 60)}m{int(left % 60):02d}s", flush=True)
+    return update

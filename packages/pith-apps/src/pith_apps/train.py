@@ -21,13 +21,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pith_apps.config import ConfigError, flops_per_token, require
+from pith_apps.config import ConfigError, flops_per_token, read_json, require
 from pith_apps.data import (ByteTokenizer, HFTokenizer, batch_at, document_ids, held_out_batch, split_held_out,
                             token_store)
 from pith_apps.models.layers import use_fp8
-from pith_apps.options import (DTYPES, MODELS, check_args, hf_config_data, model_config, parse_args,
-                               run_config_text)
-from pith_apps.run_log import RunLog
+from pith_apps.options import (DTYPES, MODELS, check_args, hf_config_data, init_checkpoint, model_config,
+                               parse_args, run_config_text)
+from pith_apps.run_log import RunLog, make_progress
 from pith_engine.compile import compile_stages
 from pith_engine.context_parallel import zigzag_part
 from pith_engine.contract import check_model, moe_layers
@@ -40,16 +40,20 @@ from pith_engine.optim import adamw, clipped_step, lr_at
 from pith_engine.parallel import LayoutError, Parallel
 from pith_ops.fp8 import Fp8WeightCache
 
+
 def train(args) -> list[float]:
     """Run the training loop; returns the loss of every step run (the same on every rank)."""
     check_args(args)
     cfg = model_config(args)
+    out = Path(args.out or f"runs/{args.model}-{Path(args.init).name if args.init else args.preset}")
+    if args.export_hf:
+        check_export(args, out)
     lead = int(os.environ.get("RANK", "0")) == 0   # the process group is not joined yet
     stream = training_tokens(args, cfg, log=print if lead and not args.quiet else lambda line: None)
     stream, held_out = split_held_out(stream, args.eval_batches if args.eval_every else 0, args.batch_size, args.seq_len)
     joined = join_processes(args)
     from pith_apps.run_folder import RunFolder   # heavy import (DCP, DTensor: ~0.8 s): only when training
-    folder = RunFolder(args.out or f"runs/{args.model}-{Path(args.init).name if args.init else args.preset}")
+    folder = RunFolder(out)
     try:
         parallel, device = layout(args)
         run_id, resume_from = on_lead(parallel, lambda: folder.open(
@@ -68,7 +72,11 @@ def training_tokens(args, cfg, log=lambda line: None):
     """The token stream of --data (tokenized once into --data-cache) by the run's tokenizer, which this resolves
     into args.tokenizer (the --init folder's own when it has one) and args.eos_id (for --doc-mask)."""
     own = args.init if args.init and Path(args.init, "tokenizer.json").is_file() else None
-    args.tokenizer = args.tokenizer or own   # resolved: the export copies its files
+    if init_checkpoint(args):   # the tokenizer its run trained with, where it still is
+        own = read_json(Path(args.init, "meta.json")).get("tokenizer")
+        own = own if own and (Path(own).is_file() or Path(own, "tokenizer.json").is_file()) else None
+    args.tokenizer = args.tokenizer or own   # resolved: the export copies its files, from wherever it runs
+    args.tokenizer = args.tokenizer and str(Path(args.tokenizer).absolute())
     tokenizer = HFTokenizer(args.tokenizer) if args.tokenizer else ByteTokenizer()
     args.eos_id = tokenizer.eos_id
     require(cfg.vocab_size >= tokenizer.vocab_size, f"the tokenizer ({args.tokenizer or 'bytes'}) has "
@@ -171,7 +179,7 @@ def one_process_step(args):
     def step(number: int, input_ids, labels):
         for group in optimizer.param_groups:
             group["lr"] = lr_at(number - 1, args.lr, args.warmup, args.steps, args.schedule)
-        return train_step(args, parallel, device, model, optimizer, number, input_ids, labels, False, graph)
+        return train_step(args, parallel, device, model, optimizer, number, input_ids, labels, graph)
     return model, step
 
 
@@ -232,14 +240,17 @@ def train_on(args, cfg, parallel: Parallel, device: torch.device, data, folder, 
     if args.save_every:
         size = checkpoint_bytes(model, parallel)
         on_lead(parallel, lambda: folder.check_space(size))
-    start = restore(resume_from, model, optimizer, cfg, folder, parallel) if resume_from else 0
+    batches = batch_settings(args, stream, held_out)
+    start = restore(resume_from, model, optimizer, cfg, batches, folder, parallel) if resume_from else 0
+    require(start <= args.steps, f"the checkpoint is at step {start}, past --steps {args.steps}; give --steps above "
+            f"{start} to train on from it")
     lead = parallel.rank == 0
     losses, speeds, evals = [], [], []
     progress = make_progress(start, args) if lead else lambda loss, tokens_per_s: None
     hf_config, peak = hf_config_data(args), args.peak_tflops or peak_tflops(device)
     flops = flops_per_token(hf_config, args.seq_len)   # per token of training, for the MFU
     saved_meta = dict(run=run_id, config=config_dict(cfg), layout=dict(pp=parallel.pp, dp=parallel.dp, cp=parallel.cp, ep=parallel.ep),
-                      model=args.model, hf_config=hf_config, tokenizer=args.tokenizer)
+                      model=args.model, hf_config=hf_config, tokenizer=args.tokenizer, batches=batches)
     export_checkpoint = args.export_hf and parallel.world > 1   # several processes export from the last checkpoint
     with StopSignals() as signals, RunLog(folder.tb, start, lead, args.image_every) as log:
         for step in range(start, args.steps):
@@ -249,7 +260,7 @@ def train_on(args, cfg, parallel: Parallel, device: torch.device, data, folder, 
                 group["lr"] = lr
             input_ids, labels = batch_at(stream, step, args.seed, args.batch_size, args.seq_len)
             loss_value, norm, stop, routing = train_step(args, parallel, device, model, optimizer, step + 1, input_ids,
-                                                         labels, signals.asked is not None, graph, pipeline)
+                                                         labels, graph, pipeline, lambda: signals.asked is not None)
             tokens_per_s = args.batch_size * args.seq_len / (time.perf_counter() - tic)
             losses.append(loss_value)
             speeds.append(tokens_per_s)
@@ -280,19 +291,22 @@ def train_on(args, cfg, parallel: Parallel, device: torch.device, data, folder, 
             memory = (f", peak memory {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB"
                       if device.type == "cuda" else "")
             print(f"trained steps {start + 1}-{start + len(losses)}: loss {losses[0]:.3f} -> {losses[-1]:.3f} "
-                  f"(mean of last 10: {sum(losses[-10:]) / len(losses[-10:]):.3f}), "
+                  f"(mean of last {len(losses[-10:])}: {sum(losses[-10:]) / len(losses[-10:]):.3f}), "
                   f"{sorted(speeds)[len(speeds) // 2]:,.0f} tokens/s (median step){memory}; "
                   f"{f'held-out loss {evals[-1]:.3f} (perplexity {math.exp(min(evals[-1], 700)):.2f}), ' if evals else ''}"
                   f"{'checkpoints ' + str(folder.checkpoints) + ', ' if args.save_every else ''}"
                   f"TensorBoard logs {folder.tb}")
+        else:
+            print(f"nothing to train: the run is at step {start} of --steps {args.steps}; raise --steps to go on")
     return losses
 
 
-def train_step(args, parallel: Parallel, device, model, optimizer, number: int, input_ids, labels, stop_asked: bool,
-               graph: StepGraph | None = None, pipeline: Pipeline | None = None):
+def train_step(args, parallel: Parallel, device, model, optimizer, number: int, input_ids, labels,
+               graph: StepGraph | None = None, pipeline: Pipeline | None = None, stop_asked=lambda: False):
     """Optimizer step `number` (from 1) on a global batch, its micro-batches' gradients accumulated (through `graph`,
     a StepGraph of gradient_step, when given; through `pipeline` on several pipeline ranks). Returns the step's
-    loss, the gradient norm before the clip, whether any rank was asked to stop (the same on every rank) and the
+    loss, the gradient norm before the clip, whether any rank was asked to stop (the same on every rank: stop_asked()
+    read after the step's work, so that a signal during it stops the run after this step, not the next) and the
     step's routing (update_expert_bias; the whole model's); ConfigError when the loss or the gradients are not
     finite, the update skipped (before anything is saved). The learning rate is the optimizer's groups' (train_on
     sets one for all), passed in as a tensor so that a replay follows it."""
@@ -308,7 +322,7 @@ def train_step(args, parallel: Parallel, device, model, optimizer, number: int, 
     routing = update_expert_bias(model)
     if parallel.pp > 1:
         routing = whole_model_routing(parallel, model, routing)
-    totals = torch.stack([loss, torch.tensor(float(stop_asked), device=device)])
+    totals = torch.stack([loss, torch.tensor(float(stop_asked()), device=device)])
     if parallel.world > 1:   # one all-reduce: losses add up over data ranks, a stop asked of any rank shows
         dist.all_reduce(totals)
     loss_value, stop, norm_value = torch.cat([totals, norm.view(1)]).tolist()
@@ -382,7 +396,11 @@ def evaluate(args, parallel: Parallel, device, model, held_out, pipeline: Pipeli
             docs = documents_of(args, ids)
             totals[0] += pipeline.loss_sum(ids, targets, docs) if pipeline else model.loss_sum(ids, targets, docs)
             totals[1] += (targets != -100).sum() * counts
-    release_forward_weights(model)   # (a replayed step, StepGraph, updates the weights without the hook that drops copies)
+    # a replayed step (StepGraph) updates the weights without the optimizer hook that drops the copies and FP8 blocks
+    # made from them: kept, a later evaluation, or a step captured after this one, would read them stale
+    release_forward_weights(model)
+    if getattr(model, "fp8_cache", None) is not None:
+        model.fp8_cache.new_step()
     if parallel.world > 1:
         dist.all_reduce(totals)
     return (totals[0] / totals[1]).item()
@@ -404,15 +422,36 @@ def whole_model_routing(parallel: Parallel, model, routing):
 
 def init_from_hf(args, parallel: Parallel, model, folder):
     """--init: one process reads the Hugging Face folder straight into the model; on several, rank 0 turns it into
-    a weights checkpoint in the run folder and every rank loads its part of that (any layout)."""
+    a weights checkpoint in the run folder and every rank loads its part of that (any layout), as every rank
+    does of a checkpoint of the app."""
+    from pith_engine import checkpoint
+    if init_checkpoint(args):   # any layout's, read by every rank
+        try:
+            checkpoint.load_weights(args.init, model)
+        except checkpoint.CheckpointError as err:
+            raise ConfigError(f"--init: {err}") from None
+        return
     if parallel.world == 1:
         from pith_apps.hf_checkpoint import load_hf_weights
         load_hf_weights(model, args.init)
         return
     from pith_apps.convert import hf_to_checkpoint
-    from pith_engine import checkpoint
     weights = on_lead(parallel, lambda: str(hf_to_checkpoint(args.init, folder.out / "init-weights")))
     checkpoint.load_weights(weights, model)
+
+
+def check_export(args, run_folder: Path):
+    """--export-hf, before the run: a folder the export can replace whole, and neither the run's own folder (or
+    one above it, or inside its checkpoints or logs) nor the --init folder the run starts from."""
+    from pith_apps.hf_checkpoint import check_replaceable
+    export, run = Path(args.export_hf).resolve(), run_folder.resolve()
+    inside_run_data = {run / "checkpoints", run / "tb"} & {export, *export.parents}
+    require(export != run and export not in run.parents and not inside_run_data,
+            f"--export-hf {args.export_hf} would replace the run folder {run_folder} or part of it; give a folder "
+            f"of its own (one inside the run folder is fine: {run_folder / 'export'})")
+    require(not args.init or export != Path(args.init).resolve(), f"--export-hf {args.export_hf} is the --init folder "
+            "the run starts from; give another folder")
+    check_replaceable(args.export_hf, "--export-hf")
 
 
 def export_hf(args, parallel: Parallel, model, dtype: torch.dtype, last_checkpoint: Path):
@@ -460,12 +499,28 @@ def save(folder, step: int, model, optimizer, meta: dict):
         raise ConfigError(str(err)) from None
 
 
-def restore(path: Path, model, optimizer, cfg, folder, parallel: Parallel) -> int:
-    """Load the checkpoint at path; returns its step. A damaged one stops the run, naming the newest intact."""
+def batch_settings(args, stream, held_out) -> dict:
+    """What decides each step's global batch (batch_at: the step's samples of the seed's epoch order of the
+    training tokens), by the flags that set it."""
+    return {"--seq-len": args.seq_len, "--batch-size": args.batch_size, "--seed": args.seed,
+            "dataset tokens (--data, --text-field, --tokenizer)": len(stream) + len(held_out),
+            "held-out tokens (--eval-every, --eval-batches)": len(held_out)}
+
+
+def restore(path: Path, model, optimizer, cfg, batches: dict, folder, parallel: Parallel) -> int:
+    """Load the checkpoint at path; returns its step. A damaged one stops the run, naming the newest intact; one
+    whose run read other batches (batch_settings) is refused: its later steps would read other samples, some
+    perhaps trained on already, or held out."""
     from pith_engine import checkpoint
     try:
-        require(checkpoint.read_meta(path).get("config") == config_dict(cfg),
+        meta = checkpoint.read_meta(path)
+        require(meta.get("config") == config_dict(cfg),
                 f"checkpoint '{path}' was trained with another model config; use another --out or drop --resume")
+        saved = meta.get("batches", {})   # (not in checkpoints written before it was recorded)
+        changed = [f"{name} {saved[name]} (now {value})" for name, value in batches.items()
+                   if name in saved and saved[name] != value]
+        require(not changed, f"checkpoint '{path}' was trained with {', '.join(changed)}: resume with its values, "
+                f"or start a new run from its weights: --init {path} (and another --out)")
         meta = checkpoint.load(path, model, optimizer)
     except checkpoint.CheckpointError as err:
         raise ConfigError(f"{err}; {on_lead(parallel, lambda: folder.good_one(skip=path))}") from None
@@ -500,36 +555,6 @@ class StopSignals:
             signal.signal(sig, handler)
 
 
-def make_progress(start: int, args, terminal: bool | None = None):
-    """A progress bar with the ETA on a terminal (stderr); elsewhere (a log file, a job scheduler) a line every
-    twentieth of the run and at its end."""
-    if args.quiet:
-        return lambda loss, tokens_per_s: None
-    if not (sys.stderr.isatty() if terminal is None else terminal):
-        return progress_lines(start, args.steps)
-    from tqdm import tqdm
-    bar = tqdm(total=args.steps, initial=start, desc=f"train {args.model}", unit="step", dynamic_ncols=True)
-
-    def update(loss, tokens_per_s):
-        bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
-        bar.update()
-        if bar.n == args.steps:
-            bar.close()
-    return update
-
-
-def progress_lines(start: int, steps: int):
-    every, tic, done = max(1, (steps - start) // 20), time.perf_counter(), [start]
-
-    def update(loss, tokens_per_s):
-        done[0] += 1
-        if (done[0] - start) % every == 0 or done[0] == steps:
-            left = (time.perf_counter() - tic) / (done[0] - start) * (steps - done[0])
-            print(f"step {done[0]}/{steps}: loss {loss:.3f}, {tokens_per_s:,.0f} tokens/s, "
-                  f"eta {int(left // 60)}m{int(left % 60):02d}s", flush=True)
-    return update
-
-
 def main(argv=None):
     try:
         args = parse_args(argv)
@@ -543,6 +568,17 @@ def main(argv=None):
             print(f"pith-train: error: {err}", file=sys.stderr)
         else:   # torchrun stops every worker once one exits: give rank 0 time to reach its line
             time.sleep(2)
+        sys.exit(2)
+    except KeyboardInterrupt:   # before the first step or after the last (during them, StopSignals takes Ctrl-C)
+        print("pith-train: interrupted; the checkpoints written so far are intact", file=sys.stderr)
+        sys.exit(130)
+    except (torch.OutOfMemoryError, RuntimeError) as err:
+        if not isinstance(err, torch.OutOfMemoryError) and "can't allocate memory" not in str(err):
+            raise
+        rank = f" (rank {os.environ['RANK']})" if "RANK" in os.environ else ""   # the rank that ran out says so
+        print(f"pith-train: error: out of memory{rank}: {str(err).strip().splitlines()[0]}; lower "
+              "--micro-batch-size or --seq-len, or spread the model over more GPUs (--ep, --pp, --dp): "
+              "skills/pith-apps/estimate-memory tells what a layout needs", file=sys.stderr)
         sys.exit(2)
 
 

@@ -8,8 +8,9 @@ global id with our stacked parameter's leaf name, model.layers.N.mlp.experts.E.g
 and export with pith_apps.hf_checkpoint.save_hf). No name has a parallel prefix. Every tensor is fp32 (master
 weights, AdamW state). Each rank hands DCP the tensors it holds, FSDP shards as DTensors, so DCP writes every
 element once and a later load under another layout reads the pieces it needs. The AdamW moments follow their
-parameters (optimizer.<name>.exp_avg / exp_avg_sq); the step counter, the aux-free expert biases and the RNG
-state ride along, and meta.json holds what is not a tensor.
+parameters (optimizer.<name>.exp_avg / exp_avg_sq); the step counter, the aux-free expert biases and the
+global RNG state (one, as DCP keeps one copy of a plain tensor: every rank gets rank 0's back; the app draws
+from explicit generators) ride along, and meta.json holds what is not a tensor.
 
 A save writes step-N.tmp/, then rank 0 records the size and CRC-32 of every file in meta.json, renames the
 folder to step-N/ and points the `latest` file at it (each rename one atomic step): a crash midway leaves the
@@ -138,6 +139,8 @@ def save(directory: str | Path, step: int, model: MoeModel, optimizer, meta: dic
             write_atomic(directory / "latest", final.name)
             prune(directory, meta.get("run"))
     except (OSError, RuntimeError, dcp.api.CheckpointException) as err:
+        if is_writer():   # what was written of it: its space is free again, as the message says
+            shutil.rmtree(tmp, ignore_errors=True)
         free = shutil.disk_usage(directory).free / 1e9 if directory.is_dir() else float("nan")
         raise CheckpointError(f"could not write checkpoint '{final}' ({first_line(err)}; {free:.1f} GB free there); "
                               f"the last good checkpoint is {latest_name(directory)}") from None

@@ -49,7 +49,8 @@ def schedule(pp: int, micro_batches: int, rank: int) -> list[tuple[Step, ...]]:
     """Pipeline rank `rank`'s steps in order; a tuple of two is an overlapped pair (forward, backward)."""
     if micro_batches < 2 * pp:
         raise LayoutError(f"DualPipeV needs at least 2 x pp = {2 * pp} micro-batches per step, not {micro_batches}; "
-                          f"raise the batch size or lower --pp")
+                          "raise --batch-size, lower --micro-batch-size (micro-batches: the batch size over micro-batch "
+                          "size x data ranks) or lower --pp")
     before, after = pp - rank - 1, rank + 1   # ranks after this one, and this one with those before it
     steps = [(F0,)] * 2 * before + [(F0,), (F1,)] * after
     steps += [(Step("B", 1, True),), (W,), (F1,)] * before

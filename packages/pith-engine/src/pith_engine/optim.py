@@ -75,11 +75,13 @@ class AdamW(torch.optim.AdamW):
 
 
 def adamw(model: torch.nn.Module, lr: float, weight_decay: float, betas=(0.9, 0.95)) -> AdamW:
-    """AdamW with weight decay on matrices only (not norms, biases or 1-d parameters); fused (one kernel per
-    tensor on CUDA, torch's fused kernel over every tensor on CPU), as clipped_step needs."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [dict(params=[p for p in params if p.ndim >= 2], weight_decay=weight_decay),
-              dict(params=[p for p in params if p.ndim < 2], weight_decay=0.0)]
+    """AdamW with weight decay on matrices only (not norms, biases or 1-d parameters: a stack of experts' biases,
+    GPT-OSS's [E, n], is known by its name); fused (one kernel per tensor on CUDA, torch's fused kernel over every
+    tensor on CPU), as clipped_step needs."""
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    decayed = [p.ndim >= 2 and not name.endswith("bias") for name, p in named]
+    groups = [dict(params=[p for (_, p), d in zip(named, decayed) if d], weight_decay=weight_decay),
+              dict(params=[p for (_, p), d in zip(named, decayed) if not d], weight_decay=0.0)]
     return AdamW(groups, lr=lr, betas=betas)
 
 
