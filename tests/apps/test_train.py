@@ -227,6 +227,8 @@ def test_run_config_file_sets_the_flags_and_the_command_line_overrides_it(tmp_pa
     train_app.main(["--run-config", str(run), "--steps", "7", "--print-config"])
     printed = tmp_path / "printed.toml"
     printed.write_text(capsys.readouterr().out)
+    keys = {line.split(" = ")[0] for line in printed.read_text().splitlines()}
+    assert not {"data", "device", "data-cache", "data-workers"} & keys   # this machine's defaults: left out
     again = train_app.parse_args(["--run-config", str(printed)])
     assert vars(again) | {"run_config": None} == vars(args) | {"run_config": None, "print_config": False}
 
@@ -350,6 +352,23 @@ def write_dataset(folder, kind, docs, field="text"):
         (folder / "a.txt").write_text("\n".join(docs[:2]) + "\n")
         (folder / "b.txt").write_text("\n".join(docs[2:]) + "\n")
     return folder if kind == "txt" else next(folder.iterdir())
+
+
+def test_a_folder_that_datasets_saved_is_read(tmp_path):
+    """save_to_disk writes its .arrow files with two .json files beside them, which are not data."""
+    import datasets
+    datasets.Dataset.from_dict({"text": ["one story", "another"]}).save_to_disk(str(tmp_path / "saved"))
+    tokens = token_store(tmp_path / "saved", ByteTokenizer(), cache=tmp_path / "cache")
+    assert bytes(t for t in tokens.tolist() if t < 256) == b"one storyanother" and len(tokens) == 9 + 7 + 2
+
+
+def test_rows_without_text_are_left_out_and_counted(tmp_path):
+    rows = [{"text": "kept"}, {"text": ""}, {"id": 3}, {"text": "also kept"}]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    lines = []
+    tokens = token_store(tmp_path / "d.jsonl", ByteTokenizer(), cache=tmp_path / "cache", log=lines.append)
+    assert bytes(t for t in tokens.tolist() if t < 256) == b"keptalso kept" and len(tokens) == 4 + 9 + 2
+    assert lines[-1].endswith("; 2 of the 4 rows had no text in 'text' and were left out")
 
 
 @pytest.mark.parametrize("kind", ["jsonl", "parquet", "arrow", "txt"])
@@ -480,6 +499,10 @@ def test_a_run_from_a_checkpoint_starts_from_its_weights_as_from_their_hugging_f
             for n, start in enumerate([["--init", str(saved)], ["--init", str(tmp_path / "hf")],
                                        ["--init", str(tmp_path / "weights")], []])]
     assert runs[0] == runs[1] == runs[2] and abs(runs[0][0] - runs[3][0]) > 0.05
+    lines, args = [], train_app.parse_args(["qwen3", "--init", str(tmp_path / "hf")])   # a byte-token run's export
+    train_app.training_tokens(args, options.model_config(args), log=lines.append)
+    assert lines[0] == (f"--init {tmp_path / 'hf'} has no tokenizer: the text is read as UTF-8 bytes (257 tokens); "
+                        "give --tokenizer for the model's own")
 
 
 def test_a_run_from_a_model_folder_is_named_after_it(tmp_path, monkeypatch):

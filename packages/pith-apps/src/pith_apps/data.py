@@ -94,6 +94,9 @@ class HFTokenizer:
         return self.tokenizer.decode(list(ids))
 
 
+SAVED_DATASET_FILES = ("dataset_info.json", "state.json")   # beside the .arrow files of datasets' save_to_disk
+
+
 def data_files(path: str | Path) -> tuple[str, list[str]]:
     """The `datasets` builder name and the files for a file or folder path; ("hub", [name]) for a name of the
     Hugging Face hub (owner/name) that is no local path."""
@@ -103,7 +106,8 @@ def data_files(path: str | Path) -> tuple[str, list[str]]:
             return "hub", [name]
         raise ConfigError(f"dataset path '{path}' does not exist; give a {KINDS} file, a folder of them or a Hugging "
                           "Face hub dataset name (owner/name)")
-    files = sorted(p for p in path.iterdir() if p.suffix in BUILDERS) if path.is_dir() else [path]
+    files = sorted(p for p in path.iterdir() if p.suffix in BUILDERS and p.name not in SAVED_DATASET_FILES) \
+        if path.is_dir() else [path]
     kinds = {BUILDERS.get(p.suffix) for p in files}
     if not files or None in kinds or len(kinds) > 1:
         raise ConfigError(f"dataset path '{path}' must be one {KINDS} file or a folder of files of one of those "
@@ -194,11 +198,13 @@ def tokenize_into(scratch: Path, path, builder: str, files: list[str], field: st
         out.flush()
         os.fsync(out.fileno())
     (scratch / "meta.json").write_text(json.dumps(dict(tokens=count, documents=len(ids), source=str(path))))
+    rows, skipped = len(dataset), len(dataset) - len(ids)   # encode_rows leaves out rows without text
     del dataset, ids   # their memory-mapped files go with the scratch folder's copies of the data
     shutil.rmtree(scratch / "hf")
     for leftover in scratch.glob("ids*.arrow"):
         leftover.unlink()
-    log(f"tokenized: {count:,} tokens in {time.perf_counter() - tic:.1f} s")
+    log(f"tokenized: {count:,} tokens in {time.perf_counter() - tic:.1f} s" +
+        (f"; {skipped:,} of the {rows:,} rows had no text in '{field}' and were left out" if skipped else ""))
 
 
 def encode_rows(rows: dict, tokenizer, field: str) -> dict:

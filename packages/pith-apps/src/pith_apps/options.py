@@ -176,10 +176,12 @@ def read_run_config(path: str, parser: argparse.ArgumentParser) -> dict:
 
 
 def run_config_text(args: argparse.Namespace) -> str:
-    """args as a TOML run config (flags left unset are left out)."""
-    lines = []
+    """args as a TOML run config (flags left unset are left out, and so are this machine's defaults: the file
+    should run as well on another)."""
+    lines, defaults = [], build_parser()
     for dest, value in vars(args).items():
-        if value is not None and dest not in ("run_config", "print_config"):
+        machine_default = dest in ("data", "device", "data_cache", "data_workers") and value == defaults.get_default(dest)
+        if value is not None and dest not in ("run_config", "print_config") and not machine_default:
             text = str(value).lower() if isinstance(value, bool) else json.dumps(value)
             lines.append(f"{dest.replace('_', '-')} = {text}")
     return "\n".join(lines) + "\n"

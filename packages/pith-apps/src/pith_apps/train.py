@@ -77,6 +77,9 @@ def training_tokens(args, cfg, log=lambda line: None):
         own = own if own and (Path(own).is_file() or Path(own, "tokenizer.json").is_file()) else None
     args.tokenizer = args.tokenizer or own   # resolved: the export copies its files, from wherever it runs
     args.tokenizer = args.tokenizer and str(Path(args.tokenizer).absolute())
+    if args.init and not args.tokenizer:
+        log(f"--init {args.init} has no tokenizer: the text is read as UTF-8 bytes (257 tokens); give --tokenizer "
+            "for the model's own")
     tokenizer = HFTokenizer(args.tokenizer) if args.tokenizer else ByteTokenizer()
     args.eos_id = tokenizer.eos_id
     require(cfg.vocab_size >= tokenizer.vocab_size, f"the tokenizer ({args.tokenizer or 'bytes'}) has "
@@ -294,7 +297,7 @@ def train_on(args, cfg, parallel: Parallel, device: torch.device, data, folder, 
                   f"(mean of last {len(losses[-10:])}: {sum(losses[-10:]) / len(losses[-10:]):.3f}), "
                   f"{sorted(speeds)[len(speeds) // 2]:,.0f} tokens/s (median step){memory}; "
                   f"{f'held-out loss {evals[-1]:.3f} (perplexity {math.exp(min(evals[-1], 700)):.2f}), ' if evals else ''}"
-                  f"{'checkpoints ' + str(folder.checkpoints) + ', ' if args.save_every else ''}"
+                  f"{'checkpoints ' + str(folder.checkpoints) + ', ' if args.save_every or export_checkpoint else ''}"
                   f"TensorBoard logs {folder.tb}")
         else:
             print(f"nothing to train: the run is at step {start} of --steps {args.steps}; raise --steps to go on")
