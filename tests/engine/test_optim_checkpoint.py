@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import pith_engine.checkpoint as checkpoint
+from distributed import run_on_processes
 from pith_engine.data_parallel import clip_grad_norm, grad_norm
 from pith_engine.optim import adamw, clipped_step, lr_at
 
@@ -144,6 +145,40 @@ def without_experts(model: torch.nn.Module) -> torch.nn.Module:
     """A toy model as the checkpoint reads models (pith_engine.contract.MoeModel): decoder layers, none MoE."""
     model.layers = {}
     return model
+
+
+def stepped_linear():
+    model = without_experts(torch.nn.Linear(3, 2))
+    optimizer = adamw(model, lr=0.1, weight_decay=0.0)
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def rank_0_fails_alone(rank, world, root):
+    model, optimizer = stepped_linear()
+    checkpoint.save(root, 1, model, optimizer, {"run": "r"})
+    if rank == 0:   # its own writes after the ranks' shared one: the checksums
+        checkpoint.checksums = lambda folder: (_ for _ in ()).throw(OSError(5, "Input/output error"))
+    with pytest.raises(checkpoint.CheckpointError, match=r"could not write checkpoint '.*step-00000002' \(OSError: "
+                       r"\[Errno 5\] Input/output error; .* the last good checkpoint is '.*step-00000001'"):
+        checkpoint.save(root, 2, model, optimizer, {"run": "r"})
+
+
+def test_a_save_that_fails_on_rank_0_alone_fails_on_every_rank_and_none_waits(tmp_path):
+    """Rank 0 writes the metadata after DCP's collective save: its failure reaches rank 1 too (which once waited in
+    a barrier until torchrun stopped it), and the partial step is removed."""
+    run_on_processes(2, rank_0_fails_alone, tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-00000001"]
+
+
+def test_an_older_checkpoint_that_cannot_be_deleted_leaves_the_save_done_with_a_warning(tmp_path, monkeypatch):
+    model, optimizer = stepped_linear()
+    monkeypatch.setattr(checkpoint, "prune", lambda *args: (_ for _ in ()).throw(PermissionError(13, "Permission denied")))
+    with pytest.warns(UserWarning, match=r"step-00000001' was saved, but an older one could not be deleted "
+                                         r"\(PermissionError: \[Errno 13\] Permission denied\)"):
+        saved = checkpoint.save(tmp_path, 1, model, optimizer, {})
+    assert checkpoint.latest(tmp_path) == saved and checkpoint.damage(saved) is None
 
 
 def test_crash_during_save_keeps_the_previous_checkpoint_and_old_ones_are_pruned(tmp_path, monkeypatch):

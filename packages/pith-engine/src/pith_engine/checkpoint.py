@@ -114,21 +114,18 @@ def is_writer() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-def barrier():
-    if dist.is_initialized():
-        dist.barrier()
-
-
 def save(directory: str | Path, step: int, model: MoeModel, optimizer, meta: dict) -> Path:
     """Write step-<step>/ under directory (all ranks call this); meta (JSON, with "run": the lineage to prune
-    within) goes into meta.json with the step, the time and the files' checksums."""
+    within) goes into meta.json with the step, the time and the files' checksums. A failure on any rank, rank 0's
+    own writes included, raises CheckpointError on every rank, none left waiting for the others."""
     directory = Path(directory)
     final, tmp = directory / f"step-{step:08d}", directory / f"step-{step:08d}.tmp"
-    try:
-        if is_writer():
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        barrier()
+
+    def start():
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+
+    def write():
         with single_process_is_meant():
             dcp.save(training_state(model, optimizer), checkpoint_id=tmp)   # returns once every rank has written
         if is_writer():
@@ -137,15 +134,38 @@ def save(directory: str | Path, step: int, model: MoeModel, optimizer, meta: dic
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
             write_atomic(directory / "latest", final.name)
-            prune(directory, meta.get("run"))
-    except (OSError, RuntimeError, dcp.api.CheckpointException) as err:
+    problem = agreed(failure_of(start) if is_writer() else None)
+    problem = problem or agreed(failure_of(write))
+    if problem:
         if is_writer():   # what was written of it: its space is free again, as the message says
             shutil.rmtree(tmp, ignore_errors=True)
         free = shutil.disk_usage(directory).free / 1e9 if directory.is_dir() else float("nan")
-        raise CheckpointError(f"could not write checkpoint '{final}' ({first_line(err)}; {free:.1f} GB free there); "
-                              f"the last good checkpoint is {latest_name(directory)}") from None
-    barrier()
+        raise CheckpointError(f"could not write checkpoint '{final}' ({problem}; {free:.1f} GB free there); "
+                              f"the last good checkpoint is {latest_name(directory)}")
+    if is_writer():
+        try:
+            prune(directory, meta.get("run"))
+        except OSError as err:   # saved all the same: the run goes on, with more on disk than it keeps
+            warnings.warn(f"checkpoint '{final}' was saved, but an older one could not be deleted ({first_line(err)})")
     return final
+
+
+def failure_of(work) -> str | None:
+    """work()'s failure to write, as one line; None when it succeeded."""
+    try:
+        work()
+    except (OSError, RuntimeError, dcp.api.CheckpointException) as err:
+        return first_line(err)
+    return None
+
+
+def agreed(problem: str | None) -> str | None:
+    """The first rank's problem on every rank (None where none had one), so that all go on or stop alike."""
+    if not dist.is_initialized():
+        return problem
+    problems = [None] * dist.get_world_size()
+    dist.all_gather_object(problems, problem)
+    return next((p for p in problems if p), None)
 
 
 def first_line(err: BaseException) -> str:
