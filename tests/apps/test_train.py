@@ -505,6 +505,12 @@ def test_a_run_from_a_checkpoint_starts_from_its_weights_as_from_their_hugging_f
                         "give --tokenizer for the model's own")
 
 
+def test_a_warmup_as_long_as_the_run_is_pointed_out(tmp_path, capsys):
+    train_app.main(["qwen3", "--steps", "2", "--batch-size", "2", "--seq-len", "16", "--out", str(tmp_path)])
+    assert capsys.readouterr().out.splitlines()[0] == ("--warmup 30 is not shorter than --steps 2: the learning rate "
+                                                      "rises for the whole run and never reaches --lr 0.003")
+
+
 def test_a_run_from_a_model_folder_is_named_after_it(tmp_path, monkeypatch):
     start = tiny_hf_folder(tmp_path / "my-model")
     monkeypatch.chdir(tmp_path)

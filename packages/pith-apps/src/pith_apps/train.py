@@ -49,7 +49,11 @@ def train(args) -> list[float]:
     if args.export_hf:
         check_export(args, out)
     lead = int(os.environ.get("RANK", "0")) == 0   # the process group is not joined yet
-    stream = training_tokens(args, cfg, log=print if lead and not args.quiet else lambda line: None)
+    log = print if lead and not args.quiet else lambda line: None
+    if args.warmup >= args.steps:
+        log(f"--warmup {args.warmup} is not shorter than --steps {args.steps}: the learning rate rises for the whole "
+            f"run and never reaches --lr {args.lr}")
+    stream = training_tokens(args, cfg, log=log)
     stream, held_out = split_held_out(stream, args.eval_batches if args.eval_every else 0, args.batch_size, args.seq_len)
     joined = join_processes(args)
     from pith_apps.run_folder import RunFolder   # heavy import (DCP, DTensor: ~0.8 s): only when training
