@@ -216,6 +216,7 @@ def test_an_out_that_cannot_be_a_writable_folder_and_contradicting_flags_are_nam
     (["--clip", "0"], "--clip=0.0 must be a finite number > 0"),
     (["--warmup", "-1"], "--warmup=-1 must be a finite number >= 0"),
     (["--weight-decay", "-5"], "--weight-decay=-5.0 must be a finite number >= 0"),
+    (["--weight-decay", "-0.5"], "--weight-decay=-0.5 must be a finite number >= 0"),
     (["--steps", "2.5"], "argument --steps: invalid int value: '2.5'; see --help"),
     (["--dtype", "float16"], "argument --dtype: invalid choice: 'float16' (choose from 'float32', 'bfloat16'); see "
      "--help"),

@@ -202,10 +202,10 @@ def check_args(args):
                  "image_every"):
         value = getattr(args, flag)
         require(value is None or value > 0, f"--{flag.replace('_', '-')}={value} must be a positive integer")
-    for flag, least in (("lr", 0), ("clip", 0), ("warmup", -1), ("weight_decay", -1)):   # > least (-1: >= 0)
+    for flag, positive in (("lr", True), ("clip", True), ("warmup", False), ("weight_decay", False)):
         value = getattr(args, flag)
-        require(math.isfinite(value) and value > least, f"--{flag.replace('_', '-')}={value} must be a finite number "
-                f"{'> 0' if least == 0 else '>= 0'}")
+        require(math.isfinite(value) and (value > 0 if positive else value >= 0), f"--{flag.replace('_', '-')}={value} "
+                f"must be a finite number {'> 0' if positive else '>= 0'}")
     require(not (args.resume and args.resume_from), "--resume continues from the newest checkpoint, --resume-from "
             "from the one it names: give one of them")
     require(args.out != "", "--out is empty; give the run's folder, or leave --out out for runs/<model>-<preset>")
@@ -248,11 +248,11 @@ def hf_config_data(args) -> dict:
     """The Hugging Face config the run's model is built from (preset, --config or --init, cut to --layers)."""
     require(not (args.init and args.config), "--init DIR takes the model's config from DIR; leave out --config")
     if args.init:
-        require(Path(args.init, "config.json").is_file() or init_checkpoint(args), f"--init '{args.init}' has no "
-                "config.json; give a Hugging Face model folder (config.json and *.safetensors) or a checkpoint of the "
-                "app (step-N, with meta.json)")
-    path = Path(args.init, "meta.json" if init_checkpoint(args) else "config.json") if args.init else \
-        Path(args.config or PRESETS / f"{args.model}_{args.preset}.json")
+        path = Path(args.init, "meta.json" if init_checkpoint(args) else "config.json")
+        require(path.is_file(), f"--init '{args.init}' has no config.json; give a Hugging Face model folder "
+                "(config.json and *.safetensors) or a checkpoint of the app (step-N, with meta.json)")
+    else:
+        path = Path(args.config or PRESETS / f"{args.model}_{args.preset}.json")
     valid = preset_names(args.model)
     require(args.config or args.init or path.is_file(), f"unknown --preset '{args.preset}' for {args.model}; valid presets: "
             f"{', '.join(valid)}")

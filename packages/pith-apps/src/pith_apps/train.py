@@ -75,11 +75,10 @@ def train(args) -> list[float]:
 def training_tokens(args, cfg, log=lambda line: None):
     """The token stream of --data (tokenized once into --data-cache) by the run's tokenizer, which this resolves
     into args.tokenizer (the --init folder's own when it has one) and args.eos_id (for --doc-mask)."""
-    own = args.init if args.init and Path(args.init, "tokenizer.json").is_file() else None
-    if init_checkpoint(args):   # the tokenizer its run trained with, where it still is
-        own = read_json(Path(args.init, "meta.json")).get("tokenizer")
-        own = own if own and (Path(own).is_file() or Path(own, "tokenizer.json").is_file()) else None
-    args.tokenizer = args.tokenizer or own   # resolved: the export copies its files, from wherever it runs
+    # the --init folder's tokenizer, or that of the run of an --init checkpoint, when it is there
+    own = read_json(Path(args.init, "meta.json")).get("tokenizer") if init_checkpoint(args) else args.init
+    own = own if own and (Path(own).is_file() or Path(own, "tokenizer.json").is_file()) else None
+    args.tokenizer = args.tokenizer or own   # resolved, absolute: the export copies its files, from wherever it runs
     args.tokenizer = args.tokenizer and str(Path(args.tokenizer).absolute())
     if args.init and not args.tokenizer:
         log(f"--init {args.init} has no tokenizer: the text is read as UTF-8 bytes (257 tokens); give --tokenizer "
@@ -403,11 +402,7 @@ def evaluate(args, parallel: Parallel, device, model, held_out, pipeline: Pipeli
             docs = documents_of(args, ids)
             totals[0] += pipeline.loss_sum(ids, targets, docs) if pipeline else model.loss_sum(ids, targets, docs)
             totals[1] += (targets != -100).sum() * counts
-    # a replayed step (StepGraph) updates the weights without the optimizer hook that drops the copies and FP8 blocks
-    # made from them: kept, a later evaluation, or a step captured after this one, would read them stale
-    release_forward_weights(model)
-    if getattr(model, "fp8_cache", None) is not None:
-        model.fp8_cache.new_step()
+    release_forward_weights(model)   # (a replayed step, StepGraph, updates the weights without the hook that drops copies)
     if parallel.world > 1:
         dist.all_reduce(totals)
     return (totals[0] / totals[1]).item()
@@ -579,7 +574,7 @@ def main(argv=None):
     except KeyboardInterrupt:   # before the first step or after the last (during them, StopSignals takes Ctrl-C)
         print("pith-train: interrupted; the checkpoints written so far are intact", file=sys.stderr)
         sys.exit(130)
-    except (torch.OutOfMemoryError, RuntimeError) as err:
+    except RuntimeError as err:   # torch.OutOfMemoryError (CUDA) is one; the CPU allocator raises a plain one
         if not isinstance(err, torch.OutOfMemoryError) and "can't allocate memory" not in str(err):
             raise
         rank = f" (rank {os.environ['RANK']})" if "RANK" in os.environ else ""   # the rank that ran out says so

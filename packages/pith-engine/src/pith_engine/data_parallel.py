@@ -171,10 +171,14 @@ def _fsdp_param_groups(model):
 
 
 def release_forward_weights(model: torch.nn.Module):
-    """After forwards with no backward to follow (evaluation): drop a one-process model's bf16 copies, and put
-    the weights FSDP's root gathered back into shards (the root keeps them after its forward for the backward
-    that usually follows; until resharded, the model's parameters are not the optimizer's, which a save reads)."""
+    """After forwards with no backward to follow (evaluation): drop a one-process model's bf16 copies and the FP8
+    blocks its `fp8_cache` made (pith_apps' use_fp8), which a replayed step (StepGraph: no optimizer hook drops
+    them) would otherwise read stale, and put the weights FSDP's root gathered back into shards (the root keeps
+    them after its forward for the backward that usually follows; until resharded, the model's parameters are not
+    the optimizer's, which a save reads)."""
     drop_compute_copies(model)
+    if getattr(model, "fp8_cache", None) is not None:
+        model.fp8_cache.new_step()
     for module in fsdp_modules(model):
         module.reshard()
 

@@ -79,9 +79,9 @@ def adamw(model: torch.nn.Module, lr: float, weight_decay: float, betas=(0.9, 0.
     GPT-OSS's [E, n], is known by its name); fused (one kernel per tensor on CUDA, torch's fused kernel over every
     tensor on CPU), as clipped_step needs."""
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-    decayed = [p.ndim >= 2 and not name.endswith("bias") for name, p in named]
-    groups = [dict(params=[p for (_, p), d in zip(named, decayed) if d], weight_decay=weight_decay),
-              dict(params=[p for (_, p), d in zip(named, decayed) if not d], weight_decay=0.0)]
+    decayed = {name for name, p in named if p.ndim >= 2 and not name.endswith("bias")}
+    groups = [dict(params=[p for name, p in named if name in decayed], weight_decay=weight_decay),
+              dict(params=[p for name, p in named if name not in decayed], weight_decay=0.0)]
     return AdamW(groups, lr=lr, betas=betas)
 
 

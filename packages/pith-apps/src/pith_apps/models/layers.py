@@ -233,7 +233,8 @@ class SwiGLUMLP(nn.Module):
 def use_fp8(model: nn.Module, cache) -> list[nn.Module]:
     """--fp8: the dense linears of the decoder layers (Linear: not the routers or the LM head) and the experts'
     GEMMs compute through `cache` (a pith_ops.fp8.Fp8WeightCache, watching the optimizer), which the model holds as
-    fp8_cache (for an evaluation to empty: FP8 blocks it made would outlive the step); the modules set."""
+    fp8_cache (for release_forward_weights to empty after an evaluation: blocks it made would outlive the step);
+    the modules set."""
     modules = [m for layer in model.layers.values() for m in layer.modules() if isinstance(m, (Linear, LocalExperts))]
     for module in modules:
         module.fp8 = cache
