@@ -3,8 +3,10 @@
   --check: the first --steps (20) losses of the app at each layout in --layouts (default ep 2, dp 2, pp 2, cp 2)
            against one process on the same global batch; the largest relative gap per layout
   default: throughput of the app at each layout in --layouts on --gpus GPUs: the median step's tokens/s, per GPU,
-           MFU as bench/train_throughput.py counts it (config.flops_per_token against the bf16 matmul peak measured on
-           one GPU in a process of its own), and rank 0's peak memory
+           MFU per GPU as bench/train_throughput.py counts it (config.flops_per_token times tokens/s per GPU) against
+           two peaks: the bf16 matmul peak measured on one GPU in a process of its own (mfu_matmul_peak_pct) and the
+           data sheet's dense bf16 peak (mfu_datasheet_pct: 989 TFLOP/s for H100 / H200, or --peak-tflops), and rank
+           0's peak memory
 
 Run on the device machine from the repo root, with the three src folders on PYTHONPATH:
   python3 bench/multi_gpu.py --check --gpus 2 --family qwen3 --preset 30b-a3b --layers 4
@@ -69,16 +71,17 @@ def check(args) -> list[dict]:
 def throughput(args) -> list[dict]:
     from pith_apps.config import flops_per_token
     from pith_apps.options import hf_config_data, parse_args
-    from train_throughput import isolated
+    from train_throughput import mfu_columns, peaks
     flops = flops_per_token(hf_config_data(parse_args(app_args(args))), args.seq)
-    peak = args.peak_tflops or isolated(dict(side="peak", device=args.device))["tflops"]
+    peak = peaks(args)
+    print(json.dumps(dict(peak_tflops=peak)), flush=True)
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         for layout in args.layouts:
             row = run_app(args.gpus, layout.split(), app_args(args), f"{folder}/{len(rows)}")
             if "tokens_per_s" in row:
                 row["tokens_per_s_per_gpu"] = round(row["tokens_per_s"] / args.gpus)
-                row["mfu_pct"] = float(f"{100 * row['tokens_per_s_per_gpu'] * flops / (peak * 1e12):.3g}")
+                row |= mfu_columns(row["tokens_per_s"] / args.gpus, flops, peak)
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows
@@ -98,7 +101,8 @@ def main():
                         "micro-batches per step; --cp refuses --compile)",
                         default=["--ep 2", "--dp 2", "--pp 2 --micro-batch-size 1", "--cp 2 --no-compile"])
     parser.add_argument("--device", default="cuda", help="cpu: CPU processes over gloo (the CPU test)")
-    parser.add_argument("--peak-tflops", type=float, help="the MFU's peak per GPU (default: measured)")
+    parser.add_argument("--peak-tflops", type=float, help="the data-sheet dense bf16 peak per GPU for "
+                        "mfu_datasheet_pct (default: the app's by the GPU's name, 989 for H100 / H200; none on a CPU)")
     parser.add_argument("app", nargs="*", help="after --: more flags for the app")
     args = parser.parse_args()
     rows = check(args) if args.check else throughput(args)

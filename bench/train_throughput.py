@@ -13,7 +13,9 @@ app's model, replayed from the third step as one CUDA graph as the app does on o
 itself: add_grads_in_kernels). The baseline (bench/hf_baseline.py) does the matching
 transformers step. MFU: model FLOPs per token (6 x the matmul weights a token passes through: attention,
 router, active and shared experts, LM head; plus causal attention scores, a sliding window's only up to its
-width) against the bf16 matmul peak measured here.
+width) times tokens/s, in two columns: against the bf16 matmul peak measured here (8192^3, in a process of its
+own; 775-810 TFLOP/s on the H200), and against the GPU's data-sheet dense bf16 peak (989 TFLOP/s for H100 / H200 SXM,
+the convention of Megatron-LM and PaLM; the app's table by the GPU's name, or --peak-tflops; none on a CPU).
 
   PYTHONPATH=packages/pith-ops/src:packages/pith-engine/src:packages/pith-apps/src \
     python3 bench/train_throughput.py [--families qwen3] [--accum 1 8] [--precision bf16 mixed] [--repeats 2]
@@ -26,6 +28,7 @@ width) against the bf16 matmul peak measured here.
   ... --fp8-convergence [--steps 300] [--lr 1e-4] [--accum 1]: our mixed-precision loss on Markov text (a fixed
       random chain over byte tokens, new text each step, its entropy rate the floor) with and without --fp8, from
       the same weights
+  ... --peak-tflops P: the data-sheet peak of the second MFU column, TFLOP/s per GPU
   ... --lift-fla-guard: both sides run fla-core's delta rule (Qwen3.5) on a Hopper GPU with Triton 3.4-3.7.0, which
       it refuses (bench/gated_delta.py's lift_fla_hopper_guard)
 
@@ -169,8 +172,9 @@ def measure(c: dict) -> dict:
         lift_fla_hopper_guard()
     row = dict(c, pid=os.getpid(), fresh=fresh, torch=torch.__version__)
     cuda = c["device"].startswith("cuda")
-    if c["side"] == "peak":
-        return row | dict(tflops=matmul_peak(c["device"]))
+    if c["side"] == "peak":   # the matmul peak measured here; the data sheet's by the GPU's name (None on a CPU)
+        from pith_apps.run_log import peak_tflops
+        return row | dict(tflops=matmul_peak(c["device"]), datasheet_tflops=peak_tflops(torch.device(c["device"])))
     if c["side"] == "grads":
         return row | dict(tensors=compare_grads(c))
     torch.manual_seed(0)
@@ -316,25 +320,39 @@ def configurations(args) -> list[dict]:
             for side in args.sides for fp8 in ((False, True) if args.fp8 and side == "pith" else (False,))]
 
 
+def peaks(args) -> dict:
+    """The two peaks per GPU an MFU is taken against, TFLOP/s: the bf16 matmul peak measured in a process of its own,
+    and the data sheet's (--peak-tflops, else the app's by the GPU's name; None where unknown, as on a CPU)."""
+    measured = isolated(dict(side="peak", device=args.device))
+    return dict(matmul_peak=measured["tflops"], datasheet=args.peak_tflops or measured["datasheet_tflops"])
+
+
+def mfu_columns(tokens_per_s_per_gpu: float, flops: float, peak: dict) -> dict:
+    """MFU against each known peak of `peaks`, in %, to 3 significant digits: a slow CPU's share (under 0.05%) stays
+    visible, a GPU's reads 54.4."""
+    return {f"mfu_{name}_pct": float(f"{100 * tokens_per_s_per_gpu * flops / (tflops * 1e12):.3g}")
+            for name, tflops in peak.items() if tflops}
+
+
 def throughput_table(args) -> dict:
     from pith_apps.config import flops_per_token   # torch-free; here, not at the top, which each --one would load
-    peak = isolated(dict(side="peak", device=args.device))["tflops"]
+    peak = peaks(args)
     rows = []
     for repeat in range(args.repeats):
         for config in configurations(args):
             row = isolated(config | dict(repeat=repeat))
             if "tok_s" in row:
                 preset = preset_dict(row["family"], row["preset"], row["layers"])
-                # 3 significant digits: a slow CPU's share (under 0.05%) stays visible, a GPU's reads 54.4
-                row["mfu_pct"] = float(f"{100 * row['tok_s'] * flops_per_token(preset, row['seq']) / 1e12 / peak:.3g}")
+                row |= mfu_columns(row["tok_s"], flops_per_token(preset, row["seq"]), peak)
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "losses"}), flush=True)
-    print_table(rows)
+    print_table(rows, peak)
     return dict(peak_tflops=peak, rows=rows)
 
 
-def print_table(rows: list[dict]):
-    print("\nfamily       precision  accum repeat  pith tok/s   hf tok/s  speedup  pith MFU  hf MFU  pith GiB  hf GiB")
+def print_table(rows: list[dict], peak: dict):
+    print("\nfamily       precision  accum repeat  pith tok/s   hf tok/s  speedup  MFU(m) pith / hf  MFU(d) pith / hf  "
+          "pith GiB  hf GiB")
     for r in [r for r in rows if r["side"] == "pith"]:
         theirs = next((t for t in rows if t["side"] == "hf" and all(t.get(k) == r.get(k) for k in
                                                                        ("family", "precision", "accum", "repeat"))), {})
@@ -343,9 +361,14 @@ def print_table(rows: list[dict]):
             print(f"{r['family']:<12} {precision:<10} {r['accum']:>5}  error: {r.get('error') or theirs['error']}")
             continue
         speedup = f"{r['tok_s'] / theirs['tok_s']:>6.2f}x" if theirs else "      -"
+        mfu = [" / ".join(f"{side[f'mfu_{name}_pct']}%" if f"mfu_{name}_pct" in side else "-" for side in (r, theirs))
+               for name in ("matmul_peak", "datasheet")]
         print(f"{r['family']:<12} {precision:<10} {r['accum']:>5} {r['repeat']:>6}  {r['tok_s']:>10,} "
-              f"{format(theirs['tok_s'], ',') if theirs else '-':>10}  {speedup}  {r['mfu_pct']:>7}%  {theirs.get('mfu_pct', '-'):>5}%"
+              f"{format(theirs['tok_s'], ',') if theirs else '-':>10}  {speedup}  {mfu[0]:>17}  {mfu[1]:>17}"
               f"  {r.get('peak_mem_gib', '-'):>8}  {theirs.get('peak_mem_gib', '-'):>6}")
+    datasheet = f"{peak['datasheet']} TFLOP/s" if peak["datasheet"] else "not known for this device (--peak-tflops)"
+    print(f"MFU(m): against the bf16 matmul peak measured here, {peak['matmul_peak']} TFLOP/s; MFU(d): against the "
+          f"data sheet's dense bf16 peak, {datasheet}")
 
 
 def parity(args) -> dict:
@@ -446,6 +469,8 @@ def main():
     parser.add_argument("--fp8-convergence", action="store_true", help="our loss over --steps (default 300) steps of "
                         "Markov text at --lr with and without --fp8")
     parser.add_argument("--grads", action="store_true", help="gradients, tensor by tensor, against transformers'")
+    parser.add_argument("--peak-tflops", type=float, help="the data-sheet dense bf16 peak per GPU for the second MFU "
+                        "column (default: the app's by the GPU's name, 989 for H100 / H200; none on a CPU)")
     parser.add_argument("--lift-fla-guard", action="store_true", help="both sides run fla-core's delta rule on a "
                         "Hopper GPU with Triton 3.4-3.7.0, which it refuses (bench/gated_delta.py)")
     args = parser.parse_args()

@@ -15,6 +15,7 @@ then runs the traces of all ranks as NCCL would:
 or the cycle of waits that NCCL would hang in, with the ranks, ops and the lines that issued them.
 """
 import inspect
+import math
 import sys
 import threading
 from dataclasses import dataclass, field
@@ -81,7 +82,7 @@ def _describe(name: str, arguments: dict) -> dict:
     members, tensor = tuple(dist.get_process_group_ranks(group)), arguments.get("input", arguments.get("tensor"))
     if name == "all_to_all_single":
         out, inp = arguments["output"], arguments["input"]
-        row = (inp.numel() // inp.shape[0] if inp.shape[0] else 0, str(inp.dtype))
+        row = (math.prod(inp.shape[1:]), str(inp.dtype))
         # rows taken from and sent to each member, in group order (None: an even split)
         taken = arguments.get("output_split_sizes") or [out.shape[0] // len(members)] * len(members)
         sent = arguments.get("input_split_sizes") or [inp.shape[0] // len(members)] * len(members)

@@ -2,11 +2,13 @@
 every sequence) against the whole sequences on one process: the loss summed over the cp ranks, and each
 parameter's gradient summed over them, within float32 tolerance; aux losses on (Qwen3 and GPT-OSS balancing
 all data ranks' micro-batch and GPT-OSS its data rank's, DeepSeek-V2 each sequence: under cp a unit's counts
-summed over its ranks)."""
+summed over its ranks). Every exchange of the ring, forward and backward, is recorded and replayed under NCCL's
+rules (tests/comm_order.py)."""
 import pytest
 import torch
 import torch.distributed as dist
 
+from comm_order import Recorder, replay
 from conftest import grad_tolerance, relative_error
 from distributed import run_on_processes
 from pith_apps.config import read_json
@@ -45,8 +47,13 @@ def context_parallel_body(rank, world, families):
         tokens = (labels != -100).sum()
         expected = reference.loss_sum(ids, labels) / tokens
         expected.backward()
-        loss = model.loss_sum(zigzag_part(ids, world, rank), zigzag_part(labels, world, rank)) / tokens
-        loss.backward()
+        with Recorder() as recorder:   # ring attention's exchanges, forward and backward, replayed as NCCL runs them
+            loss = model.loss_sum(zigzag_part(ids, world, rank), zigzag_part(labels, world, rank)) / tokens
+            loss.backward()
+        traces = recorder.gathered()
+        assert sum(op.kind == "p2p" for op in traces[rank]) >= 2 * (world - 1), traces[rank]   # each layer's ring
+        report = replay(traces)
+        assert report is None, (family, report)
         dist.all_reduce(loss := loss.detach())
         assert relative_error(loss, expected.detach()) < 1e-6, (family, loss, expected)
         wanted = dict(reference.named_parameters())

@@ -21,8 +21,9 @@ from pith_engine.parallel import Parallel
 # constant LR after warmup, so that a run stopped at step 3 and resumed to 6 has the schedule of a 6-step run
 RUN = ["qwen3", "--batch-size", "4", "--seq-len", "32", "--warmup", "2", "--schedule", "constant", "--quiet",
        "--save-every", "3"]
-# bf16 compute, 2 micro-batches a step: 2 rows each on one process, 1 row on each of 2 data ranks (the same rows)
-MIXED = ["--dtype", "bfloat16", "--steps", "6", "--balance", "global_batch"]
+# bf16 compute, 2 micro-batches a step: 2 rows each on one process, 1 row on each of 2 data ranks (the same rows); a
+# peak for the MFU (on CPU the app knows none)
+MIXED = ["--dtype", "bfloat16", "--steps", "6", "--balance", "global_batch", "--peak-tflops", "0.05"]
 
 
 def train(out, steps, *flags):
@@ -76,6 +77,21 @@ def test_mixed_precision_with_micro_batches_logs_the_one_process_losses_on_two_p
     assert len(runs[name]) == 6
     for got, expected in zip(runs[name], runs["mixed-one"]):
         assert abs(got - expected) < 2e-3 * expected
+
+
+@pytest.mark.parametrize("name", ["mixed-ep2", "mixed-dp2"])
+def test_the_mfu_of_two_processes_is_each_ones_share_of_the_tokens_against_one_peak(runs, name):
+    """Each step's logged MFU: its logged tokens/s (the global batch's) over the 2 processes, times the training FLOPs
+    per token, over the one-accelerator peak of --peak-tflops 0.05; the float32 scalars agree within 1e-5."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from pith_apps.config import flops_per_token
+    events = EventAccumulator(str(Path(runs["root"]) / name / "tb"), size_guidance={"scalars": 0})
+    events.Reload()
+    flops = flops_per_token(train_app.hf_config_data(train_app.parse_args(RUN)), 32)
+    speeds, mfus = events.Scalars("train/tokens_per_s"), events.Scalars("train/mfu_pct")
+    assert [e.step for e in speeds] == [e.step for e in mfus] == [1, 2, 3, 4, 5, 6]
+    for speed, mfu in zip(speeds, mfus):
+        assert abs(mfu.value - 100 * speed.value / 2 * flops / 0.05e12) < 1e-5 * mfu.value
 
 
 def test_init_on_two_processes_starts_from_the_folder_as_one_process_does(runs):

@@ -1,7 +1,11 @@
+import importlib.util
 import json
 import math
+import re
 import subprocess
 import sys
+import types
+import warnings
 
 import numpy as np
 import pytest
@@ -20,6 +24,7 @@ from pith_apps.run_log import make_progress
 from pith_engine.compile import compile_stages
 from pith_engine.contract import moe_layers
 from pith_engine.optim import adamw, lr_at
+from pith_ops import gated_delta
 from pith_ops.fp8 import Fp8WeightCache
 
 QUICK = ["--steps", "60", "--batch-size", "8", "--seq-len", "64", "--warmup", "10", "--quiet"]
@@ -59,7 +64,7 @@ def test_the_replayed_cuda_graph_step_trains_and_evaluates_as_the_eager_step(mod
     and held-out losses evaluated before the capture and between replays (the bf16 copies of the weights and,
     with --fp8, their FP8 blocks made afresh) match within 1e-4 (atomic adds in the embedding's backward)."""
     args = train_app.parse_args([model, *QUICK, "--steps", "8", "--warmup", "8", "--eval-batches", "2", "--device",
-                                 "cuda"])
+                                 "cuda", "--allow-slow-delta-rule"])   # qwen3_5: fla-core's kernels where they run
     train_app.check_args(args)
     stream = torch.tensor(ByteTokenizer().encode(DEFAULT_CORPUS.read_text()))
     stream, held_out = split_held_out(stream, args.eval_batches, args.batch_size, args.seq_len)
@@ -100,7 +105,7 @@ def test_paired_expert_weight_gradients_sum_as_one_micro_batch_at_a_time(model, 
     monkeypatch.setattr(grouped_gemm, "add_wgrad_into", lambda *a, paired=None: (passes.append(paired is not None),
                                                                                  add(*a, paired=paired)))
     args = train_app.parse_args([model, *QUICK, "--steps", "1", "--batch-size", "3", "--micro-batch-size", "1",
-                                 "--device", "cuda", "--no-cuda-graph"])
+                                 "--device", "cuda", "--no-cuda-graph", "--allow-slow-delta-rule"])
     train_app.check_args(args)
     ids, labels = batch_at(torch.tensor(ByteTokenizer().encode(DEFAULT_CORPUS.read_text())), 0, args.seed,
                            args.batch_size, args.seq_len)
@@ -234,7 +239,7 @@ def test_run_config_file_sets_the_flags_and_the_command_line_overrides_it(tmp_pa
 
 
 @pytest.mark.parametrize("toml,argv,named", [
-    ('stepz = 5', ["qwen3"], "--run-config RUN: unknown key 'stepz'; valid keys: balance, batch-size, chunk-layers, clip, "),
+    ('stepz = 5', ["qwen3"], "--run-config RUN: unknown key 'stepz'; valid keys: allow-slow-delta-rule, balance, "),
     ('steps = "5"', ["qwen3"], "--run-config RUN: 'steps' = '5' must be an integer"),
     ('resume = 1', ["qwen3"], "--run-config RUN: 'resume' = 1 must be true or false"),
     ('dtype = "fp16"', ["qwen3"], "--run-config RUN: 'dtype' = 'fp16' is not one of float32, bfloat16"),
@@ -264,6 +269,76 @@ def test_bad_run_config_or_config_of_another_family_ends_with_one_line(toml, arg
         expected = expected.replace(placeholder, path)
     assert stop.value.code == 2 and len(lines) == 1 and lines[0].startswith(f"pith-train: error: {expected}"), lines
     assert not (tmp_path / "out").exists()   # nothing written
+
+
+def hide_fla_core(monkeypatch, why: str):
+    """fla-core as the app would find it on a GPU: not importable ("missing"), or refusing this Triton on Hopper
+    ("old-triton": 3.4 to 3.7.0 without TileLang), faked as tests/ops/test_gated_delta.py fakes them."""
+    if why == "missing":
+        monkeypatch.setitem(sys.modules, "fla.ops.gated_delta_rule", None)   # importing it now raises ImportError
+        return
+    chunk_o = types.SimpleNamespace(IS_NVIDIA_HOPPER=True, TRITON_ABOVE_3_4_0=True, TRITON_ABOVE_3_7_1=False)
+    for name, module in [("fla", types.SimpleNamespace()), ("fla.ops", types.SimpleNamespace()),
+                         ("fla.ops.common", types.SimpleNamespace(chunk_o=chunk_o)),
+                         ("fla.ops.common.chunk_o", chunk_o),
+                         ("fla.ops.gated_delta_rule", types.SimpleNamespace(chunk_gated_delta_rule=None))]:
+        monkeypatch.setitem(sys.modules, name, module)
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *rest: None if name == "tilelang" else find_spec(name, *rest))
+
+
+@pytest.mark.parametrize("why,fix", [
+    ("missing", r"fla-core is not importable \(ModuleNotFoundError: [^)]*\); pip install fla-core"),
+    ("old-triton", r"fla-core refuses Triton [0-9.]+ on Hopper GPUs \(its issue 640: [^)]*\); upgrade Triton to "
+                   r"3\.7\.1 or later \(torch 2\.12 or later\), or pip install tilelang")])
+def test_qwen3_5_on_a_gpu_without_fla_core_stops_in_one_line_before_any_work(why, fix, tmp_path, capsys, monkeypatch):
+    """torch sees a GPU (faked) where fla-core's kernels cannot run: one line naming what to install and the flag that
+    accepts the torch reference, exit 2, no warning, nothing written (no run folder, no tokenized data)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    hide_fla_core(monkeypatch, why)
+    with pytest.raises(SystemExit) as stop, warnings.catch_warnings():
+        warnings.simplefilter("error")
+        train_app.main(["qwen3_5", *QUICK, "--device", "cuda", "--out", str(tmp_path / "out"), "--data-cache",
+                        str(tmp_path / "cache")])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2 and len(lines) == 1, lines
+    assert re.fullmatch(r"pith-train: error: qwen3_5 on cuda needs fla-core's delta-rule kernels: " + fix + r"; or run "
+                        r"the torch reference, ~60x slower per layer, with --allow-slow-delta-rule", lines[0]), lines[0]
+    assert not (tmp_path / "out").exists() and not (tmp_path / "cache").exists()
+
+
+def test_allow_slow_delta_rule_lets_qwen3_5_start_on_a_gpu_without_fla_core(tmp_path, capsys, monkeypatch):
+    """The same faked GPU: with the flag the checks pass (the run would start; it is a run-config key like any flag),
+    and on the CPU the reference runs without it (check_args passes, fla-core not asked)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    hide_fla_core(monkeypatch, "missing")
+    train_app.main(["qwen3_5", "--device", "cuda", "--allow-slow-delta-rule", "--print-config"])
+    printed = tmp_path / "run.toml"
+    printed.write_text(capsys.readouterr().out)
+    assert "allow-slow-delta-rule = true" in printed.read_text().splitlines()
+    args = train_app.parse_args(["--run-config", str(printed), "--device", "cuda"])
+    train_app.check_args(args)
+    assert args.allow_slow_delta_rule
+    monkeypatch.setattr(options, "fla_missing", lambda: pytest.fail("fla-core asked about for a CPU run"))
+    train_app.check_args(train_app.parse_args(["qwen3_5", "--device", "cpu"]))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the reference rule on a real GPU (the device machine)")
+def test_on_a_gpu_without_fla_core_the_allowed_reference_trains(monkeypatch):
+    """fla-core hidden on a real GPU: qwen3_5 is refused without the flag; with it the app's step trains on the torch
+    reference (one warning from pith_ops saying so), 8 steps whose loss falls by more than 0.3 (on CPU: 5.55 -> 3.02)."""
+    hide_fla_core(monkeypatch, "missing")
+    monkeypatch.setattr(gated_delta, "FAST_RULES", {})
+    argv = ["qwen3_5", *QUICK, "--steps", "8", "--warmup", "2", "--device", "cuda", "--no-compile", "--no-cuda-graph"]
+    with pytest.raises(ConfigError, match="pip install fla-core"):
+        train_app.one_process_step(train_app.parse_args(argv))
+    args = train_app.parse_args([*argv, "--allow-slow-delta-rule"])
+    step = train_app.one_process_step(args)[1]
+    stream = torch.tensor(ByteTokenizer().encode(DEFAULT_CORPUS.read_text()))
+    with pytest.warns(UserWarning, match="runs the torch reference on the GPU"):
+        losses = [step(n + 1, *batch_at(stream, n, args.seed, args.batch_size, args.seq_len))[0] for n in range(8)]
+    assert gated_delta.FAST_RULES["cuda"] is None and losses[-1] < losses[0] - 0.3, losses
 
 
 def test_a_hugging_face_tokenizer_encodes_each_document_and_ends_it_with_its_end_token(tmp_path):

@@ -30,8 +30,15 @@ def test_each_layout_follows_the_one_process_run_step_by_step(tmp_path):
 
 
 def test_throughput_is_read_per_gpu_with_the_mfu_and_an_error_is_the_apps_own_line(tmp_path):
-    """--ep 2: the median step's tokens/s, half of it per GPU, an MFU between 0 and 100% of the peak measured here;
-    --pp 2 at one micro-batch per step: the app's one-line refusal as the row's error."""
-    ran, refused = bench(tmp_path, "--layouts", "--ep 2", "--pp 2")
-    assert ran["tokens_per_s_per_gpu"] == round(ran["tokens_per_s"] / 2) > 0 and 0 < ran["mfu_pct"] < 100, ran
+    """--ep 2: the median step's tokens/s, half of it per GPU; per GPU, an MFU between 0 and 100% of the matmul peak
+    measured here and, against the data-sheet peak given (--peak-tflops 0.05), the training FLOP/s of half the
+    tokens over it to the 3 digits written; --pp 2 at one micro-batch per step: the app's one-line refusal as the
+    row's error."""
+    from pith_apps.config import flops_per_token
+    from pith_apps.options import hf_config_data, parse_args
+    ran, refused = bench(tmp_path, "--layouts", "--ep 2", "--pp 2", "--peak-tflops", "0.05")
+    assert ran["tokens_per_s_per_gpu"] == round(ran["tokens_per_s"] / 2) > 0, ran
+    assert 0 < ran["mfu_matmul_peak_pct"] < 100, ran
+    flops = flops_per_token(hf_config_data(parse_args(["qwen3", "--preset", "tiny", "--layers", "4"])), 64)
+    assert ran["mfu_datasheet_pct"] == float(f"{100 * ran['tokens_per_s'] / 2 * flops / 0.05e12:.3g}"), ran
     assert refused["error"].startswith("pith-train: error: DualPipeV needs at least 2 x pp = 4 micro-batches"), refused

@@ -26,18 +26,24 @@ def drive(tmp_path, *flags):
 
 
 def test_each_configuration_is_measured_in_a_fresh_process_of_its_own(tmp_path):
-    drive(tmp_path, "--steps", "3", "--accum", "1", "2", "--precision", "mixed", "--profile")
+    """Each row in its own process, with its MFU against the matmul peak measured here and against the data-sheet
+    peak given (--peak-tflops 0.05: the training FLOP/s over it, to the 3 digits written)."""
+    from pith_apps.config import flops_per_token
+    from pith_apps.options import PRESETS
+    drive(tmp_path, "--steps", "3", "--accum", "1", "2", "--precision", "mixed", "--profile", "--peak-tflops", "0.05")
     table = json.loads((tmp_path / "train_throughput.json").read_text())
     rows = table["rows"]
     assert sorted((r["side"], r["accum"]) for r in rows) == [("hf", 1), ("hf", 2), ("pith", 1), ("pith", 2)]
     assert [r["attention"] for r in rows if r["side"] == "hf"] == ["sdpa", "sdpa"]
     assert all("error" not in r for r in rows), rows
     assert len({r["pid"] for r in rows}) == 4 and all(r["fresh"] for r in rows)
-    assert table["peak_tflops"] > 0
+    assert table["peak_tflops"]["matmul_peak"] > 0 and table["peak_tflops"]["datasheet"] == 0.05
+    flops = flops_per_token(json.loads((PRESETS / "qwen3_tiny.json").read_text()) | {"num_hidden_layers": 1}, 32)
     profile = (tmp_path / "profile_pith_qwen3_mixed_2.txt").read_text()   # one more step of our model, profiled
     assert "_GroupedLinearBackward" in profile and json.loads(profile.splitlines()[0])["busy_ms"] == 0.0   # no GPU
     for r in rows:
-        assert r["tok_s"] > 0 and r["mfu_pct"] > 0 and len(r["losses"]) == 3
+        assert r["tok_s"] > 0 and r["mfu_matmul_peak_pct"] > 0 and len(r["losses"]) == 3
+        assert r["mfu_datasheet_pct"] == float(f"{100 * r['tok_s'] * flops / 0.05e12:.3g}"), r
         assert all(math.isfinite(x) and 4.0 < x < 7.0 for x in r["losses"])   # near ln(257) = 5.55 at init
 
 

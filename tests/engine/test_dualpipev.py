@@ -3,7 +3,8 @@ import threading
 
 import pytest
 
-from pith_engine.dualpipev import Costs, Turns, main, schedule, simulate
+from comm_order import Op, replay
+from pith_engine.dualpipev import Costs, Turns, exchanges, main, schedule, simulate
 from pith_engine.parallel import LayoutError
 
 LAYOUTS = [(pp, micro_batches) for pp in (1, 2, 3, 4, 8) for micro_batches in (2 * pp, 2 * pp + 3, 4 * pp)]
@@ -40,6 +41,27 @@ def test_the_simulated_bubble_with_equal_chunk_costs_is_the_stated_one(pp, micro
         assert all(a[1] <= b[0] + 1e-12 for a, b in zip(line, line[1:]))   # one step at a time per rank
 
 
+@pytest.mark.parametrize("pp", range(2, 17))
+def test_the_planned_exchanges_complete_under_nccls_rules_and_match_every_message(pp):
+    """Each rank's p2p batches (exchanges), each waited for before the next, as NCCL would run them: every send meets
+    a receive of the same message (k-th to k-th between two ranks), and no cycle of waits, at 2pp, 2pp + 1, 3pp and
+    4pp micro-batches. The runtime issues these batches (test_nccl_order.py records it at pp 2, 4 and 8)."""
+    for micro_batches in (2 * pp, 2 * pp + 1, 3 * pp, 4 * pp):
+        plans = {rank: exchanges(pp, micro_batches, rank) for rank in range(pp)}
+        for a, b in ((a, a + 1) for a in range(pp - 1)):
+            for x, y in ((a, b), (b, a)):
+                sent = [key for given, _ in plans[x] for to, key in given if to == y]
+                taken = [key for _, receives in plans[y] for of, key in receives if of == x]
+                assert sent == taken and len(sent) == 2 * micro_batches, (pp, micro_batches, x, y)
+        traces = {rank: [] for rank in range(pp)}
+        for rank, plan in plans.items():
+            for given, receives in (batch for batch in plan if batch[0] or batch[1]):
+                parts = [("send", to, 1, "x") for to, _ in given] + [("recv", of, 1, "x") for of, _ in receives]
+                ops = traces[rank]
+                ops.append(Op(rank, len(ops), "pp", "p2p", parts=parts, waits=[len(ops) - 1] if ops else []))
+        assert replay(traces) is None, (pp, micro_batches)
+
+
 def test_too_few_micro_batches_is_one_line_naming_the_minimum():
     with pytest.raises(LayoutError, match=r"^DualPipeV needs at least 2 x pp = 8 micro-batches per step, not 7; "
                                           r"raise --batch-size, lower --micro-batch-size \(micro-batches: the batch "
@@ -56,9 +78,9 @@ def test_the_planning_command_prints_each_ranks_timeline_and_the_bubble(capsys):
     assert set(lines[1].split(": ")[1]) <= set("FfBbWX.")
 
 
-def test_turns_alternate_at_each_pass_until_one_side_ends_and_an_error_waits_for_both():
-    """Side 0 in a thread and side 1 here, as a pipeline's overlapped pair: each runs until it passes the turn;
-    once one has ended the other runs on alone; side 1's error is kept for the caller, after side 0 has ended."""
+def run_sides(*sides):
+    """Side 0 in a thread and side 1 here, as a pipeline's overlapped pair; sides: (name, passes, error to raise
+    after them). Returns (what each side ran, in order, each pass after its work; the errors kept)."""
     turns, order = Turns(), []
 
     def side(name, passes, error=None):
@@ -70,9 +92,25 @@ def test_turns_alternate_at_each_pass_until_one_side_ends_and_an_error_waits_for
                 raise error
         return work
 
-    thread = threading.Thread(target=turns.run, args=(0, side("f", 4)))
+    thread = threading.Thread(target=turns.run, args=(0, side(*sides[0])))
     thread.start()
-    turns.run(1, side("b", 2, ValueError("bad")))
+    turns.run(1, side(*sides[1]))
     thread.join()
-    assert order == ["f0", "b0", "f1", "b1", "f2", "f3"]
-    assert [str(error) for error in turns.errors] == ["bad"]
+    return order, turns.errors
+
+
+def test_turns_alternate_at_each_pass_until_one_side_ends():
+    """Each side runs until it passes the turn; once one has ended the other runs on alone."""
+    assert run_sides(("f", 4), ("b", 2)) == (["f0", "b0", "f1", "b1", "f2", "f3"], [])
+    assert run_sides(("f", 1), ("b", 3)) == (["f0", "b0", "b1", "b2"], [])
+
+
+@pytest.mark.parametrize("failing", [0, 1])
+def test_when_one_side_raises_the_other_stops_at_its_next_pass_and_the_first_error_is_kept(failing):
+    """A side that raised (after 2 passes) stops its partner at the partner's next pass, where the partner would
+    have waited for a collective the other ranks no longer issue in that order: nothing more runs on either side."""
+    sides = [("f", 4), ("b", 4)]
+    sides[failing] = (sides[failing][0], 2, ValueError("bad"))
+    order, errors = run_sides(*sides)
+    assert order == ["f0", "b0", "f1", "b1", "f2"][:5 if failing else 4], order
+    assert [str(error) for error in errors] == ["bad", "the other side of this overlapped pair raised ValueError"]

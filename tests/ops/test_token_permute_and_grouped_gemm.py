@@ -3,7 +3,8 @@ import torch
 
 from conftest import KERNEL_DEVICE, relative_error
 from pith_ops.grouped_gemm import deferred_linear, grouped_bias_add, grouped_linear, grouped_linear_reference
-from pith_ops.token_permute import _counting_sort, combine_tokens, dedup_by_rank, dispatch_tokens, sort_by_expert
+from pith_ops.token_permute import (_counting_sort, combine_tokens, dedup_by_rank, dispatch_tokens, ranks_of_tokens,
+                                   sort_by_expert)
 
 
 def random_routing(tokens, top_k, experts, seed):
@@ -83,13 +84,24 @@ def test_dispatch_and_combine_kernels_match_references_forward_and_backward(toke
 def test_dedup_by_rank_sends_each_token_once_per_destination_rank():
     # 8 experts on 4 ranks (2 per rank); token 0 has both its experts on rank 1
     expert_ids = torch.tensor([[2, 3], [0, 7], [5, 4], [1, 6]])
-    pair_token, pair_rank, pairs_per_rank, local = dedup_by_rank(expert_ids, experts_per_rank=2, num_ranks=4)
+    goes_to = ranks_of_tokens(expert_ids, experts_per_rank=2, num_ranks=4)
+    assert goes_to.sum(0).tolist() == [2, 1, 1, 2]   # pairs per rank
+    pair_token, pair_rank, local = dedup_by_rank(expert_ids, 2, goes_to, pairs=6)
     assert pair_rank.tolist() == [0, 0, 1, 2, 3, 3]
     assert pair_token.tolist() == [1, 3, 0, 2, 1, 3]
-    assert pairs_per_rank.tolist() == [2, 1, 1, 2]
     assert local.tolist() == [[0, -1], [1, -1], [0, 1], [1, 0], [-1, 1], [-1, 0]]
     # (token, destination rank) pairs, not (token, expert) pairs: 6 rows sent instead of 8
     assert len(pair_token) == len({(t, r) for t, row in enumerate(expert_ids.tolist()) for r in (row[0] // 2, row[1] // 2)})
+
+
+def test_dedup_by_rank_orders_pairs_as_nonzero_does_without_counting_them():
+    """The pairs in nonzero's order (rank, then token), from the count the caller passes instead of nonzero's own,
+    which on CUDA waits for the host: 64 tokens, top 4 of 16 experts on 4 ranks."""
+    generator = torch.Generator().manual_seed(2)
+    expert_ids = torch.stack([torch.randperm(16, generator=generator)[:4] for _ in range(64)])
+    goes_to = ranks_of_tokens(expert_ids, experts_per_rank=4, num_ranks=4)
+    pair_token, pair_rank, _ = dedup_by_rank(expert_ids, 4, goes_to, pairs=int(goes_to.sum()))
+    assert torch.equal(torch.stack([pair_rank, pair_token], 1), goes_to.T.nonzero())
 
 
 @pytest.mark.parametrize("use_triton", [False, True])

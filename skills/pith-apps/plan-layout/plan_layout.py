@@ -104,8 +104,8 @@ def parse_options(argv=None) -> argparse.Namespace:
     add("--gpus-per-node", type=int, default=8, help="GPUs that NVLink joins (default: 8)")
     add("--headroom", type=float, default=0.08, help="share of a GPU kept for the CUDA context, NCCL and fragmentation "
         "(default: 0.08)")
-    add("--tflops", type=float, default=490.0, help="bf16 TFLOP/s a GPU sustains (default: 490, the app's ~50%% MFU on "
-        "an H200, bench/RESULTS.md)")
+    add("--tflops", type=float, default=490.0, help="bf16 TFLOP/s a GPU sustains (default: 490, half the H100 / H200 "
+        "data sheet's 989; the app's step sustained 409-446 on one H200, bench/RESULTS.md session 18)")
     add("--nvlink-gbs", type=float, default=400.0, help="GB/s each way per GPU within a node (default: 400)")
     add("--network-gbs", type=float, default=45.0, help="GB/s each way per GPU between nodes (default: 45)")
     add("--top", type=int, default=5, help="layouts to list (default: 5)")

@@ -18,6 +18,7 @@ from pith_apps.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from pith_engine.moe import BALANCE_MODES
 from pith_engine.optim import SCHEDULES
 from pith_ops.fp8 import fp8_missing
+from pith_ops.gated_delta import fla_missing
 
 MODELS = {"qwen3": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
           "deepseek_v2": (DeepseekV2Config, DeepseekV2ForCausalLM),
@@ -97,6 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
         "each use where FSDP2 gathers it: --dp, --ep, --cp); the routers, LM head, norms and attention stay in the "
         "compute dtype, the weights float32. The dense linears of compiled stages (--compile) stay in the compute "
         "dtype. Needs compute capability 9.0+ (H100, H200); emulated, slowly, on CPU.")
+    add("--allow-slow-delta-rule", action="store_true", help="For qwen3_5 on CUDA where fla-core's delta-rule "
+        "kernels cannot run (not installed; on Hopper, Triton 3.4 to 3.7.0 without TileLang): run its Gated DeltaNet "
+        "layers' delta rule on the torch reference, ~60x slower per layer, instead of stopping with what to install. "
+        "Where fla-core's kernels can run they run; on CPU the reference runs without this flag.")
     add("--compile", action=argparse.BooleanOptionalAction, help="Compile the dense stages with torch.compile "
         "(default: on for CUDA, off on CPU, where it costs minutes).")
     add("--cuda-graph", action=argparse.BooleanOptionalAction, help="After the first 2 steps, capture the training "
@@ -129,7 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: 0, no evaluation).")
     add("--eval-batches", type=int, default=4, help="Global batches held out for --eval-every (default: 4).")
     add("--peak-tflops", type=float, help="The accelerator's bf16 dense peak, TFLOP/s, for the MFU logged to TensorBoard "
-        "(default: 989 on an H100 or H200, 312 on an A100, 2250 on a B200 by the GPU's name; otherwise no MFU).")
+        "(each process's share of the run's tokens/s against one accelerator's peak; default: 989 on an H100 or H200, "
+        "312 on an A100, 2250 on a B200 by the GPU's name, as their data sheets give it; otherwise no MFU).")
     add("--image-every", type=int, default=50, help="Every N steps and at the last, each MoE layer's expert load to "
         "TensorBoard as a heatmap (layers x experts) and histograms (default: 50).")
     add("--quiet", action="store_true", help="Show no progress bar and no line on tokenizing a dataset.")
@@ -221,6 +227,10 @@ def check_args(args):
     if args.fp8:
         missing = fp8_missing(torch.device(args.device))
         require(missing is None, f"--fp8 cannot run here: {missing}; drop --fp8")
+    if args.model == "qwen3_5" and args.device.startswith("cuda") and not args.allow_slow_delta_rule:
+        missing = fla_missing()   # found now, before any work, rather than as a warning at the first forward
+        require(missing is None, f"qwen3_5 on {args.device} needs fla-core's delta-rule kernels: {missing}; or run the "
+                "torch reference, ~60x slower per layer, with --allow-slow-delta-rule")
     processes = args.dp * args.ep * args.pp * args.cp
     require(not args.cuda_graph or (args.device != "cpu" and processes == 1), f"--cuda-graph needs CUDA and one "
             f"process (here --device {args.device}, {processes} process{'es' if processes > 1 else ''}); leave it out or "

@@ -2,12 +2,24 @@
 loss and perplexity under eval/, and each MoE layer's expert load as a heatmap image (layers x experts) and
 histograms under experts/, so that routing collapse shows at a glance. A resumed run purges what the
 interrupted one logged after the checkpoint it resumes from, so every curve holds each step once. And what
-it shows on the console as it goes (make_progress)."""
+it shows on the console as it goes (make_progress), and the GPU's data-sheet peak the MFU scalar is taken against."""
 import math
 import sys
 import time
 
 import torch
+
+
+PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "B200": 2250.0}   # bf16 dense, NVIDIA's data sheets
+
+
+def peak_tflops(device: torch.device) -> float | None:
+    """The GPU's bf16 dense peak by its name (PEAK_TFLOPS), for the MFU scalar (each GPU's share of the run's
+    training FLOP/s against it); None when unknown."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for model, peak in PEAK_TFLOPS.items() if model in name), None)
 
 
 class RunLog:

@@ -27,7 +27,7 @@ from pith_apps.data import (ByteTokenizer, HFTokenizer, batch_at, document_ids, 
 from pith_apps.models.layers import use_fp8
 from pith_apps.options import (DTYPES, MODELS, check_args, hf_config_data, init_checkpoint, model_config,
                                parse_args, run_config_text)
-from pith_apps.run_log import RunLog, make_progress
+from pith_apps.run_log import RunLog, make_progress, peak_tflops
 from pith_engine.compile import compile_stages
 from pith_engine.context_parallel import zigzag_part
 from pith_engine.contract import check_model, moe_layers
@@ -271,8 +271,8 @@ def train_on(args, cfg, parallel: Parallel, device: torch.device, data, folder, 
             losses.append(loss_value)
             speeds.append(tokens_per_s)
             scalars = dict(loss=loss_value, lr=lr, grad_norm=norm, tokens_per_s=tokens_per_s)
-            if peak:
-                scalars["mfu_pct"] = 100 * tokens_per_s * flops / (peak * 1e12)
+            if peak:   # tokens_per_s is the global batch's: each process's share against one GPU's peak
+                scalars["mfu_pct"] = 100 * tokens_per_s / parallel.world * flops / (peak * 1e12)
             if device.type == "cuda":
                 scalars["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
             log.step(step + 1, scalars, routing, last=step + 1 == args.steps or stop)
@@ -372,17 +372,6 @@ def gradient_step(args, parallel: Parallel, model, optimizer, input_ids, labels,
     clipped_step(optimizer, norm, args.clip, lr)
     optimizer.zero_grad(set_to_none=True)
     return loss, norm
-
-
-PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "B200": 2250.0}   # bf16 dense, NVIDIA's data sheets
-
-
-def peak_tflops(device: torch.device) -> float | None:
-    """The GPU's bf16 dense peak by its name (PEAK_TFLOPS), for the MFU scalar; None when unknown."""
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((peak for model, peak in PEAK_TFLOPS.items() if model in name), None)
 
 
 def documents_of(args, ids):

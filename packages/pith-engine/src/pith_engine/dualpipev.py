@@ -11,7 +11,9 @@ backward, so that each one's communication hides behind the other's computation.
 
 `Pipeline` runs the schedule: a rank's two chunks (its layers from `chunk_layers`; a model built with only
 `held_layers`, read through the engine's model contract) forward and backward, activations and their
-gradients sent to the neighbouring ranks; each chunk one call of the model, which ComputeCasts or FSDP wrap.
+gradients sent to the neighbouring ranks, each entry's receives in one batch with the previous entry's sends
+(`exchanges`, the order deepseek-ai/DualPipe uses; the tests replay it under NCCL's rules); each chunk one call of
+the model, which ComputeCasts or FSDP wrap.
 With `defer_wgrad`, a deferring backward leaves its weight gradients (the expert stacks' and the eager dense
 linears') to the W step that follows it in the schedule (`DeferredWeightGrads`); under FSDP the gradients are
 then held unsharded through the step and reduce-scattered once at its end, after the last W step. With
@@ -177,6 +179,29 @@ def sends(pp: int, micro_batches: int, rank: int) -> list[tuple[int, tuple]]:
             if i is not None and 0 <= rank + flow(step) < pp]
 
 
+def exchanges(pp: int, micro_batches: int, rank: int) -> list[tuple[list, list]]:
+    """The point-to-point batch this rank issues before each schedule entry, and one after the last: (sends,
+    receives), each [(pipeline rank, message)]. It sends what the previous entry gave and receives what this entry
+    needs, each receive preceded by any message its sender sent earlier and not yet received (messages between two
+    ranks match in order, not by name). Under NCCL a send completes only with its receive, and a rank's p2p ops run
+    in issue order; posting each entry's receives with the previous entry's sends in one batch, as
+    deepseek-ai/DualPipe does, leaves no two ranks each waiting on a send the other receives later."""
+    incoming = {peer: deque(key for to, key in sends(pp, micro_batches, peer) if to == rank)
+                for peer in (rank - 1, rank + 1) if 0 <= peer < pp}
+    received, batches, given = set(), [], []
+    for steps, numbers in numbered(schedule(pp, micro_batches, rank)):
+        receives = []
+        for step, i in zip(steps, numbers):
+            source = rank - flow(step)
+            while i is not None and 0 <= source < pp and (step.kind, step.phase, i) not in received:
+                receives.append((source, incoming[source].popleft()))
+                received.add(receives[-1][1])
+        batches.append((given, receives))
+        given = [(rank + flow(step), (step.kind, step.phase, i)) for step, i in zip(steps, numbers)
+                 if i is not None and 0 <= rank + flow(step) < pp]
+    return batches + [(given, [])]
+
+
 class DeferredWeightGrads:
     """The wgrad_queue of a pipeline rank's modules that take one (wgrad_queue_holders): a deferring backward's
     weight-gradient closures (grouped_linear's, deferred_linear's) gathered as one entry, which `run_oldest` (a W step) runs; outside such a backward a
@@ -206,20 +231,29 @@ class DeferredWeightGrads:
             closure()
 
 
+class PairStopped(RuntimeError):
+    """Raised in one side of an overlapped pair when the other side raised (Turns.errors holds that error)."""
+
+
 class Turns:
     """The forward (side 0, its own thread) and the backward (side 1) of an overlapped pair take turns: one runs
-    until it has launched a collective, then the turn passes (`pass_turn`) and the other runs; a finished side
-    passes it for good. The order of everything the two run is therefore fixed, the same on every rank."""
+    until it has launched a collective, then the turn passes (`pass_turn`) and the other runs; a side that ends
+    passes it for good. The order of everything the two run is therefore fixed, the same on every rank. When a
+    side raises, the other stops at its next pass (PairStopped) rather than run on alone: its next collectives
+    would no longer be in the order the other ranks issue theirs, and would wait until the job is killed."""
 
     def __init__(self):
         self.changed, self.holder, self.done, self.errors = threading.Condition(), 0, [False, False], []
 
     def pass_turn(self):
-        """To the other side, unless it has finished; returns when the turn is back."""
+        """To the other side, unless it has ended; returns when the turn is back, or raises PairStopped when the
+        other side has raised."""
         with self.changed:
             me = self.holder
             if not self.done[1 - me]:
                 self._hand_over(me)
+            if self.errors:
+                raise PairStopped(f"the other side of this overlapped pair raised {type(self.errors[0]).__name__}")
 
     def _hand_over(self, me: int):
         self.holder = 1 - me
@@ -232,7 +266,7 @@ class Turns:
             self.changed.wait_for(lambda: self.holder == side)
         try:
             work()
-        except BaseException as error:   # the other side runs on alone; the caller raises it after both
+        except BaseException as error:   # kept in order: the caller raises the first, after both sides end
             self.errors.append(error)
         with self.changed:
             self.done[side] = True
@@ -242,12 +276,12 @@ class Turns:
 
 class Pipeline:
     """One pipeline rank's part of a training step: its two chunks' forwards and backwards in DualPipeV order,
-    activations and their gradients passed to the neighbouring ranks with batch_isend_irecv. Every rank reads
+    activations and their gradients passed to the neighbouring ranks: before each entry of the schedule, what
+    the previous entry gave and what this one needs go in one batch_isend_irecv (`exchanges`). Every rank reads
     every micro-batch's input ids (for its layers' arguments); the labels matter at rank 0, which holds the
     loss. Each chunk runs as one call of the model (its forward with hidden and layers), which mixed precision
-    and FSDP hook. Receives from a neighbour are posted in the order that neighbour sends (`sends`), because
-    point-to-point messages between two ranks match in order, not by name. A W step runs the weight
-    gradients of the oldest deferring backward (defer_wgrad), or nothing."""
+    and FSDP hook. A W step runs the weight gradients of the oldest deferring backward (defer_wgrad), or
+    nothing."""
 
     def __init__(self, model: MoeModel, parallel: Parallel, dtype: torch.dtype, chunks: list[range],
                  defer_wgrad: bool = False, overlap: bool = False):
@@ -274,20 +308,18 @@ class Pipeline:
         of the whole step); returns the step's loss on rank 0 (0 elsewhere), the gradients in .grad."""
         n = len(batches)
         self.batches, self.tokens, self.loss = batches, tokens, torch.zeros((), device=tokens.device)
-        self.kept, self.turn, self.sent = {}, {}, []
-        self.incoming = {peer: [key for to, key in sends(self.pp, n, peer) if to == self.rank] for peer in self.peers}
-        self.posted = {peer: {} for peer in self.peers}
+        self.kept, self.turn, self.outbox, self.inbox = {}, {}, [], {}
         if self.hold:
             hold_gradients(self.model)
-        for steps, numbers in numbered(schedule(self.pp, n, self.rank)):
+        plan = exchanges(self.pp, n, self.rank)
+        for (steps, numbers), (_, receives) in zip(numbered(schedule(self.pp, n, self.rank)), plan):
+            self.exchange(receives)
             if len(steps) == 2 and self.overlap:
                 self.overlapped(steps, numbers)
             else:
                 for step, i in zip(steps, numbers):
                     self.run(step, i)
-        for _, works in self.sent:
-            for work in works:
-                work.wait()
+        self.exchange(plan[-1][1])
         if self.hold:
             reduce_held_gradients(self.model)
         return self.loss
@@ -372,37 +404,31 @@ class Pipeline:
 
     def take(self, step: Step, i: int) -> torch.Tensor:
         """What the step gets from the rank before it in its flow, or at the turn of the V from this rank."""
-        source = self.rank - flow(step)
-        if 0 <= source < self.pp:
-            return self.receive(source, (step.kind, step.phase, i), self.batches[i][0])
+        if 0 <= self.rank - flow(step) < self.pp:
+            return self.inbox.pop((step.kind, step.phase, i))
         return self.turn.pop((step.kind, i))
 
     def give(self, step: Step, i: int, tensor: torch.Tensor):
-        """The step's output to the next rank in its flow, or at the turn of the V to this rank's other phase."""
+        """The step's output to the next rank in its flow (sent in the batch before the next entry), or at the turn
+        of the V to this rank's other phase."""
         if 0 <= self.rank + flow(step) < self.pp:
-            self.send(tensor, self.rank + flow(step))
+            self.outbox.append((tensor, self.peers[self.rank + flow(step)]))
         else:
             self.turn[step.kind, i] = tensor
-
-    def send(self, tensor: torch.Tensor, peer: int):
-        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor, self.peers[peer], self.group)])
-        self.sent.append((tensor, works))   # the tensor lives until its send is done
 
     def hidden_buffer(self, ids: torch.Tensor) -> torch.Tensor:
         """Room for the hidden states of the micro-batch of `ids`, as a neighbour sends them."""
         return torch.empty(*ids.shape, self.model.hidden_size, dtype=self.dtype, device=ids.device)
 
-    def receive(self, peer: int, key: tuple, ids: torch.Tensor) -> torch.Tensor:
-        posted = self.posted[peer]
-        while key not in posted:   # post, in the peer's send order, every receive up to this one
-            ahead = self.incoming[peer].pop(0)
-            buffer = self.hidden_buffer(ids)
-            posted[ahead] = (buffer, dist.batch_isend_irecv([dist.P2POp(dist.irecv, buffer, self.peers[peer],
-                                                                        self.group)]))
-        buffer, works = posted.pop(key)
-        for work in works:
+    def exchange(self, receives: list[tuple[int, tuple]]):
+        """One batch of what the previous entry gave (the outbox) and `receives` (exchanges), waited for."""
+        ops = [dist.P2POp(dist.isend, tensor, peer, self.group) for tensor, peer in self.outbox]
+        for source, key in receives:
+            self.inbox[key] = self.hidden_buffer(self.batches[key[2]][0])
+            ops.append(dist.P2POp(dist.irecv, self.inbox[key], self.peers[source], self.group))
+        for work in dist.batch_isend_irecv(ops) if ops else ():
             work.wait()
-        return buffer
+        self.outbox = []
 
 
 def main(argv=None):

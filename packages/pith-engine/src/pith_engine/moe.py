@@ -15,7 +15,8 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 
 from pith_engine.contract import MoeLayer
-from pith_ops.token_permute import combine_tokens, count_per_expert, dedup_by_rank, dispatch_tokens, sort_by_expert
+from pith_ops.token_permute import (combine_tokens, count_per_expert, dedup_by_rank, dispatch_tokens, ranks_of_tokens,
+                                   sort_by_expert)
 
 
 @dataclass
@@ -56,13 +57,13 @@ def dispatch(tokens: torch.Tensor, routing: Routing, num_experts: int, group=Non
         return dispatch_tokens(tokens, order, inverse, top_k), plan
     ranks = dist.get_world_size(group)
     local_experts = num_experts // ranks
-    pair_token, pair_rank, pairs_per_rank, local_ids = dedup_by_rank(routing.expert_ids, local_experts, ranks)
-    slots_per_rank = count_per_expert(routing.expert_ids // local_experts, ranks)
-    counts = torch.stack([pairs_per_rank, slots_per_rank], 1)
+    goes_to = ranks_of_tokens(routing.expert_ids, local_experts, ranks)
+    counts = torch.stack([goes_to.sum(0), count_per_expert(routing.expert_ids // local_experts, ranks)], 1)
     received = torch.empty_like(counts)
     exchange(received, counts, None, None, group)
     sent, got = torch.stack([counts, received]).tolist()   # the one host sync: all_to_all needs sizes
     send_counts, recv_counts = [pairs for pairs, _ in sent], [pairs for pairs, _ in got]
+    pair_token, pair_rank, local_ids = dedup_by_rank(routing.expert_ids, local_experts, goes_to, sum(send_counts))
     pair_slot = pair_token * ranks + pair_rank
     pair_inverse = torch.full((tokens.shape[0] * ranks,), -1, dtype=torch.int64, device=tokens.device)
     pair_inverse[pair_slot] = torch.arange(pair_slot.numel(), device=tokens.device)

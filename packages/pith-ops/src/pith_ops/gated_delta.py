@@ -27,30 +27,40 @@ SLOWER = "Gated DeltaNet's delta rule runs the torch reference on the GPU, ~60x 
 
 
 def uses_fla(device_type: str) -> bool:
-    """Whether gated_delta runs fla-core's kernels for tensors on device_type: on "cuda" when fla-core imports and
-    accepts this GPU's Triton (else one warning), never elsewhere."""
+    """Whether gated_delta runs fla-core's kernels for tensors on device_type: on "cuda" when fla_missing() finds
+    nothing in the way (else one warning saying what is), never elsewhere."""
     if device_type not in FAST_RULES:
         FAST_RULES[device_type] = None
         if device_type == "cuda":
-            try:
-                from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-            except Exception as err:   # not installed, or an install that fails at import (its Triton, its einops)
-                warnings.warn(f"fla-core is not importable ({type(err).__name__}: {err}): {SLOWER}; "
-                              "pip install fla-core")
+            missing = fla_missing()
+            if missing is not None:
+                warnings.warn(f"{SLOWER}: {missing}")
                 return False
-            if fla_refuses_this_triton():
-                import triton
-                warnings.warn(f"fla-core refuses Triton {triton.__version__} on Hopper GPUs (its issue 640: wrong "
-                              f"gradients from one backward kernel before Triton 3.7.1): {SLOWER}; upgrade Triton to "
-                              "3.7.1 or later (torch 2.12 or later), or pip install tilelang")
-                return False
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule
             FAST_RULES[device_type] = chunk_gated_delta_rule
     return FAST_RULES[device_type] is not None
 
 
+def fla_missing() -> str | None:
+    """None where fla-core's kernels can run on this machine's GPU, else why not and the fix, in one line (for an
+    app to refuse with before any work, as uses_fla would warn at the first call)."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # noqa: F401
+    except Exception as err:   # not installed, or an install that fails at import (its Triton, its einops)
+        first = (str(err).strip().splitlines() or [""])[0]
+        return f"fla-core is not importable ({type(err).__name__}: {first}); pip install fla-core"
+    if fla_refuses_this_triton():
+        import triton
+        return (f"fla-core refuses Triton {triton.__version__} on Hopper GPUs (its issue 640: wrong gradients from one "
+                "backward kernel before Triton 3.7.1); upgrade Triton to 3.7.1 or later (torch 2.12 or later), or pip "
+                "install tilelang")
+    return None
+
+
 def fla_refuses_this_triton() -> bool:
     """fla-core 0.6 raises at the first backward on a Hopper GPU with Triton 3.4 to 3.7.0 unless its TileLang backend
-    is installed: asked at the rule's first call (a forward, before any backward), from the flags its check reads."""
+    is installed: asked before any backward (fla_missing, at the rule's first call or an app's start), from the flags its
+    check reads."""
     from fla.ops.common import chunk_o
     guarded = getattr(chunk_o, "IS_NVIDIA_HOPPER", False) and getattr(chunk_o, "TRITON_ABOVE_3_4_0", False)
     return bool(guarded and not getattr(chunk_o, "TRITON_ABOVE_3_7_1", True)

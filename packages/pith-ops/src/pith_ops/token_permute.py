@@ -96,19 +96,26 @@ def count_per_expert(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor
     return counts.scatter_add_(0, expert_ids.flatten(), torch.ones_like(expert_ids.flatten()))
 
 
-def dedup_by_rank(expert_ids: torch.Tensor, experts_per_rank: int, num_ranks: int):
-    """Metadata for sending each token once per destination rank (expert e lives on rank e // experts_per_rank).
-
-    Returns (pair_token [pairs], pair_rank [pairs], pairs_per_rank [num_ranks], pair_local_experts
-    [pairs, top_k]): the (token, rank) pairs sorted by rank then token, and for each pair the rank-local
-    expert ids of the token's slots on that rank (-1 for slots that go elsewhere).
-    """
-    slot_rank = expert_ids // experts_per_rank                                      # [T, k]
+def ranks_of_tokens(expert_ids: torch.Tensor, experts_per_rank: int, num_ranks: int) -> torch.Tensor:
+    """[tokens, num_ranks] bool: whether any of the token's experts lives on the rank (expert e on rank
+    e // experts_per_rank). Its column sums count the (token, rank) pairs per rank without waiting for the host."""
     goes_to = torch.zeros(expert_ids.shape[0], num_ranks, dtype=torch.bool, device=expert_ids.device)
-    goes_to.scatter_(1, slot_rank, True)
-    pair_rank, pair_token = goes_to.T.nonzero(as_tuple=True)                        # rank-major order
+    return goes_to.scatter_(1, expert_ids // experts_per_rank, True)
+
+
+def dedup_by_rank(expert_ids: torch.Tensor, experts_per_rank: int, goes_to: torch.Tensor, pairs: int):
+    """Metadata for sending each token once per destination rank: the (token, rank) pairs of goes_to
+    (ranks_of_tokens). `pairs`, their number, comes from the caller, who read it with the all-to-all's split sizes:
+    counting them here, as nonzero does, would make the host wait for the GPU a second time.
+
+    Returns (pair_token [pairs], pair_rank [pairs], pair_local_experts [pairs, top_k]): the pairs sorted by rank
+    then token, and for each pair the rank-local expert ids of the token's slots on that rank (-1 for slots that
+    go elsewhere).
+    """
+    pair_rank, pair_token = torch.nonzero_static(goes_to.T, size=pairs).unbind(1)   # rank-major order
+    slot_rank = expert_ids // experts_per_rank                                      # [T, k]
     local = torch.where(slot_rank[pair_token] == pair_rank[:, None], expert_ids[pair_token] % experts_per_rank, -1)
-    return pair_token, pair_rank, torch.bincount(pair_rank, minlength=num_ranks), local
+    return pair_token, pair_rank, local
 
 
 @triton.jit
