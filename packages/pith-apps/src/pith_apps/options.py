@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--init", metavar="DIR", help="Start from the Hugging Face model folder DIR: its config.json (instead of "
         "--preset and --config), its safetensors weights and, unless --tokenizer is given, its tokenizer.json. "
         "On several processes rank 0 first writes the weights as a checkpoint in <out>/init-weights, which every "
-        "rank loads its part of. DIR may also be a checkpoint of the app (step-N): its model, weights and tokenizer, "
+        "rank loads its part of (then deleted). DIR may also be a checkpoint of the app (step-N): its model, weights and tokenizer, "
         "a new run (its optimizer state and step are not taken: that is --resume-from).")
     add("--layers", type=int, help="Use N decoder layers, for experiments: the config's first N, or, for a run that "
         "does not start from --init weights, more than the config has, its pattern of layers repeated (enough "

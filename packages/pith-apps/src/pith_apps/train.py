@@ -12,6 +12,7 @@ import gc
 import json
 import math
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -63,6 +64,8 @@ def train(args) -> list[float]:
         run_id, resume_from = on_lead(parallel, lambda: folder.open(
             args.model, config_dict(cfg), args.resume, args.resume_from, args.overwrite))
         return train_on(args, cfg, parallel, device, (stream, held_out), folder, run_id, resume_from)
+    except NonFinite as err:
+        raise ConfigError(f"{err}; {on_lead(parallel, lambda: folder.way_back(run_id, args.lr))}") from None
     finally:
         folder.release()
         if joined:
@@ -250,6 +253,7 @@ def train_on(args, cfg, parallel: Parallel, device: torch.device, data, folder, 
     start = restore(resume_from, model, optimizer, cfg, batches, folder, parallel) if resume_from else 0
     require(start <= args.steps, f"the checkpoint is at step {start}, past --steps {args.steps}; give --steps above "
             f"{start} to train on from it")
+    on_lead(parallel, folder.begin)   # every check passed: only now is a run that --overwrite replaces deleted
     lead = parallel.rank == 0
     losses, speeds, evals = [], [], []
     progress = make_progress(start, args) if lead else lambda loss, tokens_per_s: None
@@ -282,8 +286,9 @@ def train_on(args, cfg, parallel: Parallel, device: torch.device, data, folder, 
             progress(loss_value, tokens_per_s)
             if (args.save_every and ((step + 1) % args.save_every == 0 or step + 1 == args.steps or stop)
                     or export_checkpoint and step + 1 == args.steps):
-                require_finite_weights(model, parallel, step + 1, args.lr)
-                save(folder, step + 1, model, optimizer, saved_meta)
+                require_finite_weights(model, parallel, step + 1)
+                recent = losses[-10:]   # the loss the save is judged by when the run turns non-finite (way_back)
+                save(folder, step + 1, model, optimizer, saved_meta | dict(loss=sum(recent) / len(recent)))
             if stop:
                 if lead:
                     saved = f"checkpoint step-{step + 1:08d}" if args.save_every else "no checkpoint (--save-every 0)"
@@ -335,8 +340,8 @@ def train_step(args, parallel: Parallel, device, model, optimizer, number: int, 
     if not math.isfinite(loss_value) or not math.isfinite(norm_value):
         what = f"the loss became {loss_value}" if not math.isfinite(loss_value) else \
             f"the gradients became non-finite (the loss was {loss_value:.4g})"
-        raise ConfigError(f"step {number}: {what}; the update was skipped and nothing of it was saved, the last "
-                          f"checkpoint is intact; lower --lr (now {args.lr}) and continue with --resume or --resume-from")
+        raise NonFinite(f"step {number}: {what}; the update was skipped and nothing of it was saved, the last "
+                        "checkpoint is intact")
     return loss_value, norm_value, stop > 0, routing
 
 
@@ -427,8 +432,15 @@ def init_from_hf(args, parallel: Parallel, model, folder):
         load_hf_weights(model, args.init)
         return
     from pith_apps.convert import hf_to_checkpoint
-    weights = on_lead(parallel, lambda: str(hf_to_checkpoint(args.init, folder.out / "init-weights")))
-    checkpoint.load_weights(weights, model)
+    weights = folder.out / "init-weights"
+    try:
+        on_lead(parallel, lambda: hf_to_checkpoint(args.init, weights))
+        checkpoint.load_weights(weights, model)
+        dist.barrier()   # every rank has read its part
+    finally:   # the copy goes (a failed one's too): a run refused later leaves none in --out
+        if parallel.rank == 0:
+            for path in (weights, weights.with_name(weights.name + ".tmp")):
+                shutil.rmtree(path, ignore_errors=True)
 
 
 def check_export(args, run_folder: Path):
@@ -470,7 +482,11 @@ def checkpoint_bytes(model, parallel: Parallel) -> int:
     return int(size.item())
 
 
-def require_finite_weights(model, parallel: Parallel, number: int, lr: float):
+class NonFinite(ConfigError):
+    """The loss, gradients or weights became non-finite; train() adds where to continue from (RunFolder.way_back)."""
+
+
+def require_finite_weights(model, parallel: Parallel, number: int):
     """Before a save. A step whose gradient norm is not finite is skipped, and AdamW moves a weight by about lr
     at most, so only a fault (bad memory, a bug, a weight written by other code) gets here: checked at saves
     only, as it reads every weight."""
@@ -478,8 +494,8 @@ def require_finite_weights(model, parallel: Parallel, number: int, lr: float):
     if parallel.world > 1:
         dist.all_reduce(total)
     if not math.isfinite(total.item()):
-        raise ConfigError(f"step {number}: the weights became non-finite; nothing of it was saved, the last checkpoint "
-                          f"is intact; lower --lr (now {lr}) and continue with --resume or --resume-from")
+        raise NonFinite(f"step {number}: the weights became non-finite; nothing of it was saved, the last checkpoint "
+                        "is intact")
 
 
 def save(folder, step: int, model, optimizer, meta: dict):
@@ -513,6 +529,10 @@ def restore(path: Path, model, optimizer, cfg, batches: dict, folder, parallel: 
         require(not changed, f"checkpoint '{path}' was trained with {', '.join(changed)}: resume with its values, "
                 f"or start a new run from its weights: --init {path} (and another --out)")
         meta = checkpoint.load(path, model, optimizer)
+        trained = int(next(iter(optimizer.state.values()))["step"])   # AdamW counts the steps the run took
+        if trained != meta["step"]:
+            raise checkpoint.CheckpointError(f"checkpoint '{path}' is damaged: its meta.json names step {meta['step']}, "
+                                             f"its optimizer state step {trained}")
     except checkpoint.CheckpointError as err:
         raise ConfigError(f"{err}; {on_lead(parallel, lambda: folder.good_one(skip=path))}") from None
     if parallel.rank == 0:

@@ -12,10 +12,11 @@ parameters (optimizer.<name>.exp_avg / exp_avg_sq); the step counter, the aux-fr
 global RNG state (one, as DCP keeps one copy of a plain tensor: every rank gets rank 0's back; the app draws
 from explicit generators) ride along, and meta.json holds what is not a tensor.
 
-A save writes step-N.tmp/, then rank 0 records the size and CRC-32 of every file in meta.json, renames the
-folder to step-N/ and points the `latest` file at it (each rename one atomic step): a crash midway leaves the
-previous checkpoint untouched and `latest` naming it. A load first checks every file against meta.json, so
-a truncated, missing or altered file stops it with CheckpointError instead of loading changed weights.
+A save writes step-N.tmp/, then rank 0 records the size and CRC-32 of every file in meta.json (and meta.json's
+own), renames the folder to step-N/ and points the `latest` file at it (each rename one atomic step): a crash
+midway leaves the previous checkpoint untouched and `latest` naming it. A load first checks every file against
+meta.json, and meta.json against its checksum and its step against the folder's name, so a truncated, missing
+or altered file stops it with CheckpointError instead of loading changed weights.
 Pruning keeps the KEEP most recently saved checkpoints of the saving run's lineage (meta "run"), and never
 touches a checkpoint of another run.
 """
@@ -130,7 +131,7 @@ def save(directory: str | Path, step: int, model: MoeModel, optimizer, meta: dic
             dcp.save(training_state(model, optimizer), checkpoint_id=tmp)   # returns once every rank has written
         if is_writer():
             files = checksums(tmp)
-            write_atomic(tmp / "meta.json", json.dumps(meta | dict(step=step, saved_at=time.time(), files=files), indent=1))
+            write_atomic(tmp / "meta.json", sealed(meta | dict(step=step, saved_at=time.time(), files=files)))
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
             write_atomic(directory / "latest", final.name)
@@ -236,7 +237,15 @@ def latest_name(directory: Path) -> str:
     return "unknown ('latest' is damaged)"
 
 
+def sealed(meta: dict) -> str:
+    """meta.json's text: meta with the CRC-32 of its own content (meta_crc), which read_meta checks, so that the
+    description of a checkpoint is verified as its files are."""
+    return json.dumps(meta | dict(meta_crc=zlib.crc32(json.dumps(meta, sort_keys=True).encode())), indent=1)
+
+
 def read_meta(checkpoint: str | Path) -> dict:
+    """A checkpoint's meta.json, checked: its own checksum (checkpoints written before it was recorded have none)
+    and, in a step-N folder, its step against N."""
     try:
         meta = json.loads((Path(checkpoint) / "meta.json").read_text())
     except (OSError, ValueError) as err:
@@ -244,6 +253,14 @@ def read_meta(checkpoint: str | Path) -> dict:
                               f"({first_line(err)})") from None
     if not isinstance(meta, dict) or not isinstance(meta.get("files"), dict):
         raise CheckpointError(f"checkpoint '{checkpoint}' is damaged: its meta.json lists no files")
+    crc = meta.pop("meta_crc", None)
+    if crc is not None and crc != zlib.crc32(json.dumps(meta, sort_keys=True).encode()):
+        raise CheckpointError(f"checkpoint '{checkpoint}' is damaged: its meta.json was changed after it was written "
+                              "(it does not match its checksum)")
+    name = Path(checkpoint).name
+    if STEP_FOLDER.fullmatch(name) and "step" in meta and meta["step"] != int(name.removeprefix("step-")):
+        raise CheckpointError(f"checkpoint '{checkpoint}' is damaged: its meta.json names step {meta.get('step')}, "
+                              "not its folder's")
     return meta
 
 
@@ -275,12 +292,13 @@ def load(checkpoint: str | Path, model: MoeModel, optimizer) -> dict:
     ranks split them); returns its meta. CheckpointError when it is damaged or of another model."""
     state = training_state(model, optimizer)
     read_checked(checkpoint, state)
+    meta = read_meta(checkpoint)
     for param_state in optimizer.state.values():
         param_state["step"].copy_(state["optimizer.step"])
     torch.set_rng_state(state["rng.cpu"])
     if "rng.cuda" in state:
         torch.cuda.set_rng_state(state["rng.cuda"])
-    return read_meta(checkpoint)
+    return meta
 
 
 def load_weights(checkpoint: str | Path, model: MoeModel, alone: bool = False) -> dict:
@@ -320,7 +338,7 @@ def save_weights(folder: str | Path, model: MoeModel, meta: dict) -> Path:
     tmp.mkdir(parents=True)
     with single_process_is_meant():
         dcp.save(weights_state(model), checkpoint_id=tmp, no_dist=True)
-    write_atomic(tmp / "meta.json", json.dumps(meta | dict(saved_at=time.time(), files=checksums(tmp)), indent=1))
+    write_atomic(tmp / "meta.json", sealed(meta | dict(saved_at=time.time(), files=checksums(tmp))))
     shutil.rmtree(folder, ignore_errors=True)
     os.replace(tmp, folder)
     return folder

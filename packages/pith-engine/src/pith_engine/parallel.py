@@ -100,6 +100,6 @@ class Parallel:
         if self.pp > 1 and num_layers < 2 * self.pp:
             raise LayoutError(f"num_hidden_layers={num_layers} is fewer than the 2 x pp = {2 * self.pp} pipeline chunks "
                               f"DualPipeV needs; choose pp <= {num_layers // 2}")
-        if seq_len % (2 * self.cp):
+        if self.cp > 1 and seq_len % (2 * self.cp):   # one rank holds the whole sequence: any length
             raise LayoutError(f"seq_len={seq_len} must be divisible by 2 x cp = {2 * self.cp} "
                               f"(each context-parallel rank holds two chunks)")
