@@ -20,6 +20,7 @@ the convention of Megatron-LM and PaLM; the app's table by the GPU's name, or --
   PYTHONPATH=packages/pith-ops/src:packages/pith-engine/src:packages/pith-apps/src \
     python3 bench/train_throughput.py [--families qwen3] [--accum 1 8] [--precision bf16 mixed] [--repeats 2]
         [--sides pith] [--profile] [--no-cuda-graph] [--fp8]   (--fp8: each of our rows also with the app's --fp8)
+        [--recompute none selective full]   (each of our rows under each activation-recompute mode)
   ... --parity [--precision mixed] [--lr 1e-4]: from the same transformers weights, our loss over 20 AdamW
       steps on the bundled corpus (byte tokens) against transformers'
   ... --sdpa-check: transformers alone, and after one call of our causal attention in its process
@@ -120,7 +121,8 @@ def pith_setup(c: dict, preset: dict, hf_weights: str | None = None):
         args = parse_args([c["family"], "--config", str(config_file), "--seq-len", str(c["seq"]), "--batch-size",
                            str(c["accum"]), "--micro-batch-size", "1", "--device", c["device"], "--save-every", "0",
                            "--lr", str(c["lr"]), "--weight-decay", "0"]
-                          + ([] if c.get("cuda_graph", True) else ["--no-cuda-graph"]) + (["--fp8"] if c.get("fp8") else []))
+                          + ([] if c.get("cuda_graph", True) else ["--no-cuda-graph"]) + (["--fp8"] if c.get("fp8") else [])
+                          + ["--recompute", c.get("recompute", "none")])
         check_args(args)
         cfg, model_cls = model_config(args), MODELS[args.model][1]
     parallel, device = layout(args)
@@ -315,9 +317,10 @@ def configurations(args) -> list[dict]:
     base = dict(layers=args.layers, seq=args.seq, device=args.device, lr=1e-4, profile=args.profile,
                 cuda_graph=args.cuda_graph)
     return [base | dict(side=side, family=family, preset=args.preset or REAL[family], accum=accum, precision=precision,
-                        steps=args.steps or 2 + 6 * -(-8 // accum), fp8=fp8)
+                        steps=args.steps or 2 + 6 * -(-8 // accum), fp8=fp8, recompute=recompute)
             for family in args.families for precision in args.precision for accum in args.accum
-            for side in args.sides for fp8 in ((False, True) if args.fp8 and side == "pith" else (False,))]
+            for side in args.sides for fp8 in ((False, True) if args.fp8 and side == "pith" else (False,))
+            for recompute in (args.recompute if side == "pith" else ["none"])]
 
 
 def peaks(args) -> dict:
@@ -356,7 +359,8 @@ def print_table(rows: list[dict], peak: dict):
     for r in [r for r in rows if r["side"] == "pith"]:
         theirs = next((t for t in rows if t["side"] == "hf" and all(t.get(k) == r.get(k) for k in
                                                                        ("family", "precision", "accum", "repeat"))), {})
-        precision = r["precision"] + ("+fp8" if r.get("fp8") else "")
+        precision = r["precision"] + ("+fp8" if r.get("fp8") else "") + \
+            (f"+{r['recompute']}" if r.get("recompute", "none") != "none" else "")
         if "error" in r or "error" in theirs:
             print(f"{r['family']:<12} {precision:<10} {r['accum']:>5}  error: {r.get('error') or theirs['error']}")
             continue
@@ -466,6 +470,8 @@ def main():
                         "learning rate (default 1e-4)")
     parser.add_argument("--sdpa-check", action="store_true")
     parser.add_argument("--fp8", action="store_true", help="each of our configurations also with the app's --fp8")
+    parser.add_argument("--recompute", nargs="+", default=["none"], choices=["none", "selective", "full"],
+                        help="each of our configurations under each of these --recompute modes (default: none)")
     parser.add_argument("--fp8-convergence", action="store_true", help="our loss over --steps (default 300) steps of "
                         "Markov text at --lr with and without --fp8")
     parser.add_argument("--grads", action="store_true", help="gradients, tensor by tensor, against transformers'")

@@ -1,7 +1,9 @@
 """Shared test setup. Triton kernels run on CPU only through Triton's interpreter, which must be switched
 on before the first kernel is defined, so it is set here, before any test module imports pith_ops."""
+import gc
 import os
 import tempfile
+import weakref
 
 import torch
 
@@ -44,3 +46,41 @@ def recording_fp8_cache(steps: list) -> type:
             steps.append((self.quantized, held))
             super().new_step()
     return RecordingCache
+
+
+class SavedBytes:
+    """Bytes of the distinct storages one forward keeps for its backward, `leave_out` tensors (parameters, shared ones)
+    left out: what autograd packs (saved_tensors_hooks; checkpoint's regions' inputs among them) and is still alive
+    after the forward, its output held (a region that keeps nothing lets its inputs go), and the outputs selective
+    checkpointing caches (each output of an op that returns several, as SDPA does). Use: made before the model's
+    recompute_stages (it patches pith_engine.recompute through `monkeypatch`), counting around the forward."""
+
+    def __init__(self, monkeypatch):
+        import pith_engine.recompute as recompute   # here: pith_ops only after TRITON_INTERPRET is set above
+        self.caches = []
+        sac = recompute.create_selective_checkpoint_contexts
+
+        def caching(*args, **kwargs):
+            forward, recomputing = sac(*args, **kwargs)
+            self.caches.append(forward.storage)   # SAC's cache of the outputs it keeps
+            return forward, recomputing
+        monkeypatch.setattr(recompute, "create_selective_checkpoint_contexts", caching)
+
+    def of(self, forward, leave_out) -> int:
+        packed = []
+
+        def pack(tensor):
+            packed.append(weakref.ref(tensor))
+            return tensor
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            output = forward()   # held while counting: its autograd graph holds what the backward will read
+        gc.collect()
+        # one op's outputs in SAC's cache, each in its wrapper (.val)
+        cached = [wrapper.val for storage in self.caches for outputs in storage.values() for entry in outputs.values()
+                  for wrapper in torch.utils._pytree.tree_leaves(entry) if hasattr(wrapper, "val")]
+        kept = [ref() for ref in packed] + cached
+        left_out = {t.untyped_storage().data_ptr() for t in leave_out}
+        sizes = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in kept
+                 if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in left_out}
+        del output
+        return sum(sizes.values())

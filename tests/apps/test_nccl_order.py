@@ -17,6 +17,7 @@ from pith_engine.context_parallel import zigzag_part
 from pith_engine.data_parallel import shard_model
 from pith_engine.dualpipev import Pipeline, chunk_layers, exchanges, held_layers
 from pith_engine.parallel import Parallel
+from pith_engine.recompute import recompute_stages
 
 SEQ = 16
 
@@ -62,10 +63,12 @@ def tagging(pipeline):
     return lambda: running.get(threading.current_thread().name)
 
 
-def check_pipeline(parallel, count, overlap):
+def check_pipeline(parallel, count, overlap, recompute="none"):
     """One training step and one forward-only pass (evaluation), their traces replayed; the step's p2p batches are
-    those `exchanges` plans (whose order test_dualpipev.py replays up to pp 16)."""
+    those `exchanges` plans (whose order test_dualpipev.py replays up to pp 16). recompute: the layers' mode (full:
+    the backward runs the ring's exchanges and FSDP's gathers of the recomputed regions again)."""
     model, chunks = pipeline_model(parallel, count)
+    recompute_stages(model, recompute)
     batches = micro_batches(parallel, model.config.vocab_size, count)
     pipeline = Pipeline(model, parallel, torch.float32, chunks, defer_wgrad=True, overlap=overlap)
     with Recorder(tagging(pipeline)) as recorder:
@@ -95,12 +98,14 @@ def pipeline_order_body(rank, world):
         for count in (2 * parallel.pp, 2 * parallel.pp + 1, 3 * parallel.pp):
             for overlap in (False, True) if parallel.ep > 1 else (False,):
                 check_pipeline(parallel, count, overlap)
+        if parallel.cp > 1:
+            check_pipeline(parallel, 2 * parallel.pp, True, "full")
 
 
 @pytest.mark.parametrize("world", sorted(LAYOUTS))
 def test_the_pipelines_exchanges_complete_under_nccls_rules(world):
     """On `world` processes, each layout of LAYOUTS at 2pp, 2pp + 1 and 3pp micro-batches; with expert
-    parallelism, the pairs in turns and not."""
+    parallelism, the pairs in turns and not; with context parallelism also under full recompute."""
     run_on_processes(world, pipeline_order_body)
 
 

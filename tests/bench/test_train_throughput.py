@@ -47,6 +47,16 @@ def test_each_configuration_is_measured_in_a_fresh_process_of_its_own(tmp_path):
         assert all(math.isfinite(x) and 4.0 < x < 7.0 for x in r["losses"])   # near ln(257) = 5.55 at init
 
 
+def test_our_rows_under_each_recompute_mode_each_in_its_own_process(tmp_path):
+    """--recompute none selective full: one row of ours per mode, each in its own process, the same losses (the
+    same kernels on the same numbers)."""
+    drive(tmp_path, "--steps", "3", "--accum", "2", "--precision", "mixed", "--sides", "pith", "--recompute", "none",
+          "selective", "full")
+    rows = json.loads((tmp_path / "train_throughput.json").read_text())["rows"]
+    assert [r["recompute"] for r in rows] == ["none", "selective", "full"] and len({r["pid"] for r in rows}) == 3
+    assert rows[0]["losses"] == rows[1]["losses"] == rows[2]["losses"] and len(rows[0]["losses"]) == 3, rows
+
+
 def test_parity_mode_the_app_follows_transformers_from_the_same_weights(tmp_path):
     drive(tmp_path, "--parity", "--precision", "mixed")
     (row,) = json.loads((tmp_path / "parity.json").read_text())["rows"]

@@ -15,42 +15,77 @@ from pith_engine.parallel import LayoutError
 SEQ, HEADS, KV_HEADS, DIM, LATENT = 32, 4, 2, 8, 6
 
 
-def inputs():
-    generator = torch.Generator().manual_seed(3)
-    q = torch.randn(2, HEADS, SEQ, DIM, generator=generator)
-    latent = torch.randn(2, SEQ, LATENT, generator=generator)   # MLA-like: keys and values made from it
-    up = torch.randn(LATENT, 2 * KV_HEADS * DIM, generator=generator) / LATENT ** 0.5
-    weight = torch.randn(2, HEADS, SEQ, DIM, generator=generator)   # the loss is sum(out * weight) + sum(lse)
+def inputs(seq: int = SEQ, dim: int = DIM, device: str = "cpu"):
+    generator = torch.Generator(device).manual_seed(3)
+    q = torch.randn(2, HEADS, seq, dim, generator=generator, device=device)
+    latent = torch.randn(2, seq, LATENT, generator=generator, device=device)   # MLA-like: keys and values made from it
+    up = torch.randn(LATENT, 2 * KV_HEADS * dim, generator=generator, device=device) / LATENT ** 0.5
+    weight = torch.randn(2, HEADS, seq, dim, generator=generator, device=device)   # loss: sum(out * weight) + sum(lse)
     return q, latent, up, weight
 
 
 def expand(latent, up):
     """[batch, seq, latent] -> k, v [batch, kv_heads, seq, dim]."""
-    k, v = (latent @ up).unflatten(-1, (2, KV_HEADS, DIM)).permute(2, 0, 3, 1, 4)
+    k, v = (latent @ up).unflatten(-1, (2, KV_HEADS, -1)).permute(2, 0, 3, 1, 4)
     return k, v
 
 
-def attention_and_grads(q, latent, up, weight, positions, attend):
-    q, latent, up = (t.detach().clone().requires_grad_() for t in (q, latent, up))
-    out, lse = attend(q, latent, up)
+def attention_and_grads(tensors, weight, attend):
+    """out, lse and the gradients of `tensors` for the loss sum(out * weight) + sum(lse)."""
+    leaves = [t.detach().clone().requires_grad_() for t in tensors]
+    out, lse = attend(*leaves)
     ((out * weight).sum() + lse[lse > float("-inf")].sum()).backward()
-    return out, lse, q.grad, latent.grad, up.grad
+    return out, lse, *(leaf.grad for leaf in leaves)
 
 
-def ring_body(rank, world, window):
-    q, latent, up, weight = inputs()
-    positions = torch.arange(SEQ)
-    expected = attention_and_grads(q, latent, up, weight, positions, lambda q, latent, up: block_attention(
-        q, *expand(latent, up), positions, positions, DIM ** -0.5, window))
-    mine = zigzag_positions(SEQ // world, world, rank)
-    local = (q[:, :, mine], latent[:, mine], up, weight[:, :, mine])
-    out, lse, q_grad, latent_grad, up_grad = attention_and_grads(*local, mine, lambda q, latent, up: ring_attention(
-        q, (latent,), dist.group.WORLD, DIM ** -0.5, window, expand=lambda latent: expand(latent, up)))
-    dist.all_reduce(up_grad)   # each rank's share of the shared weight's gradient
-    for name, actual, wanted in [("out", out, expected[0][:, :, mine]), ("lse", lse, expected[1][:, :, mine]),
-                                 ("q", q_grad, expected[2][:, :, mine]), ("latent", latent_grad, expected[3][:, mine]),
-                                 ("up", up_grad, expected[4])]:
-        assert relative_error(actual, wanted) < 1e-5, (rank, world, window, name)
+def ring_body(rank, world, window, seq=SEQ, dim=DIM, device="cpu", tolerance=1e-5):
+    q, latent, up, weight = inputs(seq, dim, device)
+    k, v = expand(latent, up)
+    positions, mine = torch.arange(seq, device=device), zigzag_positions(seq // world, world, rank, device)
+    scale, group = dim ** -0.5, dist.group.WORLD
+
+    def whole(q, k, v):   # the attention of the whole sequence on one process
+        return block_attention(q, k, v, positions, positions, scale, window)
+    # the latent travels, expanded on each rank: out, lse, and the gradients of q, latent and the expanding weight
+    expected = attention_and_grads((q, latent, up), weight, lambda q, latent, up: whole(q, *expand(latent, up)))
+    actual = attention_and_grads((q[:, :, mine], latent[:, mine], up), weight[:, :, mine], lambda q, latent, up:
+                                 ring_attention(q, (latent,), group, scale, window, lambda latent: expand(latent, up)))
+    dist.all_reduce(actual[-1])   # each rank's share of the shared weight's gradient
+    wanted = [t[:, :, mine] for t in expected[:3]] + [expected[3][:, mine], expected[4]]
+    for name, got, want in zip(["out", "lse", "q", "latent", "up"], actual, wanted):
+        assert relative_error(got, want) < tolerance, (rank, world, window, name)
+    # the keys and values travel: out, lse, and the gradients of q, k and v (each [batch, heads, seq, ...])
+    expected = attention_and_grads((q, k, v), weight, whole)
+    actual = attention_and_grads((q[:, :, mine], k[:, :, mine], v[:, :, mine]), weight[:, :, mine],
+                                 lambda q, k, v: ring_attention(q, (k, v), group, scale, window))
+    for name, got, want in zip(["out", "lse", "q", "k", "v"], actual, expected):
+        assert relative_error(got, want[:, :, mine]) < tolerance, (rank, world, window, name)
+
+
+class _StagedWork:
+    """A gloo exchange of CPU copies whose wait also copies what arrived into the GPU's receive buffers."""
+
+    def __init__(self, works, arrived, buffers):
+        self.works, self.arrived, self.buffers = works, arrived, buffers
+
+    def wait(self):
+        for work in self.works:
+            work.wait()
+        for buffer, part in zip(self.buffers, self.arrived):
+            buffer.copy_(part)
+
+
+def cuda_ring_body(rank, world, windows):
+    """ring_body on the one GPU every rank shares, each exchange staged through the CPU (gloo sends CPU tensors)."""
+    from pith_engine import context_parallel
+    exchange = context_parallel._exchange
+
+    def staged(sent, to, received, source, group):
+        arrived = [torch.empty(t.shape, dtype=t.dtype) for t in received]
+        return [_StagedWork(exchange([t.cpu() for t in sent], to, arrived, source, group), arrived, received)]
+    context_parallel._exchange = staged
+    for window in windows:
+        ring_body(rank, world, window, seq=1024, dim=64, device="cuda", tolerance=1e-3)
 
 
 def affine_carries_body(rank, world):
@@ -78,13 +113,24 @@ def test_the_zigzag_scan_of_affine_carries_is_the_one_process_scan(cp):
     run_on_processes(cp, affine_carries_body)
 
 
-@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize("window", [None, 3, 6])
 @pytest.mark.parametrize("cp", [2, 4])
 def test_ring_attention_over_the_zigzag_layout_is_the_whole_sequences_attention(cp, window):
-    """cp 2 and 4 (chunks of 8 and 4 tokens), causal and with a sliding window of 6 that spans chunk borders (so
-    some blocks are skipped at cp 4): out, lse and the gradients of the queries, of the latent that travels and
-    of the weight that expands it, within 1e-5 relative error (float32)."""
+    """cp 2 and 4 (chunks of 8 and 4 tokens), causal and with sliding windows of 3 and 6 that span chunk borders
+    (so some blocks are skipped at cp 4, and only each chunk's last 2 keys travel, or at cp 2 with 6 its last 5):
+    out, lse and the gradients of the queries and of what travels, a latent (and the weight that expands it on
+    every rank) or the keys and values themselves, within 1e-5 relative error (float32)."""
     run_on_processes(cp, ring_body, window)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flex_attention's backward runs on CUDA (the device machine)")
+@pytest.mark.parametrize("cp", [2, 4])
+def test_the_ring_of_flex_blocks_on_cuda_is_the_whole_sequences_attention(cp):
+    """ring_body's checks with each block through compiled flex_attention and its zigzag block mask, on one GPU
+    shared by the ranks: 1024 tokens, 64 dims, causal and with a window of 64 (each chunk's last 63 keys travel,
+    blocks of 126 keys), against the materialized attention of the whole sequence within 1e-3 relative error
+    (float32; flex and the reference sum in other orders)."""
+    run_on_processes(cp, cuda_ring_body, [None, 64])
 
 
 class _Mark(torch.autograd.Function):
@@ -118,13 +164,14 @@ def trace_body(rank, world):
     forward = list(events)
     (out * weight[:, :, mine]).sum().backward()
     assert forward == ["launch", "in", "out", "wait"] * (world - 1) + ["in", "out"], forward
-    assert events[len(forward):] == ["out", "in"] + ["launch", "out", "in", "wait"] * (world - 1), events
+    assert events[len(forward):] == ["launch", "in", "out", "out", "in", "wait"] * world + ["launch", "wait"], events
 
 
 def test_each_ring_exchange_is_in_flight_while_a_block_is_computed_forward_and_backward():
     """cp 4: each pass of the forward is launched before the block computed meanwhile and waited for after it;
-    each exchange of the backward (the gradients going back) is launched before the backward of the block before
-    it and waited for after that block's backward has run."""
+    each exchange of the backward (the payload passed on again, with the gradients gathered for the one before)
+    is launched before a block's forward is computed again and back-propagated ("in", "out", "out", "in") and
+    waited for after it; the last, the gradients gathered for the last block back to their owner, after all."""
     run_on_processes(4, trace_body)
 
 

@@ -107,12 +107,14 @@ def count_syncs(family, parallel) -> tuple[list[str], list[str]]:
 
 
 # On CUDA grouped_bias_add's backward is the segment_sum kernel (use_kernel = x.is_cuda); its CPU branch splits by
-# tokens_per_expert.tolist() (2 calls per GPT-OSS layer). So the kernel runs here, under TRITON_INTERPRET (conftest).
+# tokens_per_expert.tolist() (2 calls per GPT-OSS layer). So the kernel runs here, under TRITON_INTERPRET (conftest),
+# which a machine with a GPU does not set: there the CUDA test below counts GPT-OSS's waits.
 bias_kernel = functools.partial(grouped_bias_add, use_kernel=True)
 FAMILIES = ["qwen3", "deepseek_v2", "gpt_oss"]
+ON_CPU = FAMILIES if not torch.cuda.is_available() else FAMILIES[:2]
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", ON_CPU)
 def test_one_process_moe_layer_waits_for_the_host_neither_forward_nor_backward(family):
     with mock.patch.object(gpt_oss, "grouped_bias_add", bias_kernel):
         forward, backward = count_syncs(family, Parallel())
@@ -121,7 +123,7 @@ def test_one_process_moe_layer_waits_for_the_host_neither_forward_nor_backward(f
 
 def expert_parallel_body(rank, world, out):
     with mock.patch.object(gpt_oss, "grouped_bias_add", bias_kernel):
-        for family in FAMILIES:
+        for family in ON_CPU:
             out[(family, rank)] = count_syncs(family, Parallel.build(ep=world))
 
 
@@ -132,19 +134,22 @@ def test_expert_parallel_moe_layer_waits_for_the_host_once_in_its_forward_never_
         out = manager.dict()
         run_on_processes(2, expert_parallel_body, out)
         counts = dict(out)
-    assert counts == {(family, rank): (["tolist"], []) for family in FAMILIES for rank in range(2)}
+    assert counts == {(family, rank): (["tolist"], []) for family in ON_CPU for rank in range(2)}
 
 
 @contextmanager
 def cuda_sync_warnings():
-    """The warnings of set_sync_debug_mode("warn"), one per wait of the host for the GPU, in the list it yields."""
+    """The warnings of set_sync_debug_mode("warn"), one per wait of the host for the GPU, in the list it yields (not
+    the notice, once per process, that the mode is a prototype: on the H100 the first test's only warning)."""
+    waits = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            yield caught
+            yield waits
         finally:
             torch.cuda.set_sync_debug_mode("default")
+            waits += [w for w in caught if "prototype" not in str(w.message)]
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(),

@@ -49,12 +49,13 @@ def test_the_counting_sort_kernels_give_the_stable_argsorts_order(tokens, top_k,
         assert torch.equal(a.cpu(), b), name
 
 
+@pytest.mark.parametrize("weighted", [True, False])   # False: constant weights, no rows kept for their gradient
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens,top_k,experts,hidden,absent", [(1, 1, 4, 16, False), (13, 2, 5, 40, False),
                                                                  (33, 8, 16, 24, False), (7, 8, 8, 130, False),
                                                                  (13, 2, 5, 40, True), (33, 8, 16, 24, True)])
 def test_dispatch_and_combine_kernels_match_references_forward_and_backward(tokens, top_k, experts, hidden, absent,
-                                                                            dtype):
+                                                                            dtype, weighted):
     expert_ids = random_routing(tokens, top_k, experts, seed=tokens)
     if absent:   # as on an expert-parallel receiver: slots whose expert lives elsewhere are marked -1
         expert_ids[torch.rand(expert_ids.shape, generator=torch.Generator().manual_seed(1)) < 0.4] = -1
@@ -66,18 +67,18 @@ def test_dispatch_and_combine_kernels_match_references_forward_and_backward(toke
 
     def run(use_kernel):
         device = KERNEL_DEVICE if use_kernel else "cpu"
-        x_, w_ = x.to(device).requires_grad_(), weights.to(device).requires_grad_()
+        x_, w_ = x.to(device).requires_grad_(), weights.to(device).requires_grad_(weighted)
         o, i = order.to(device), inverse.to(device)
         expert_out = dispatch_tokens(x_, o, i, top_k, use_kernel) * 1.5   # a stand-in expert
         out = combine_tokens(expert_out, w_, o, i, top_k, use_kernel)
         out.backward(grad.to(device))
-        return [t.cpu() for t in (expert_out, out, x_.grad, w_.grad)]
+        return [t.cpu() for t in (expert_out, out, x_.grad, w_.grad if weighted else torch.zeros(1))]
     # dispatch is a copy (exact); combine sums top_k products in fp32 and rounds once to the dtype
     tolerance = {torch.float32: 1e-6, torch.bfloat16: 8e-3}[dtype]
     results = run(True)
     for got, expected in zip(results, run(False)):
         assert got.dtype == expected.dtype and relative_error(got, expected) < tolerance
-    if absent:   # an absent slot contributes nothing and its weight gets no gradient
+    if absent and weighted:   # an absent slot contributes nothing and its weight gets no gradient
         assert torch.all(results[3][expert_ids < 0] == 0)
 
 

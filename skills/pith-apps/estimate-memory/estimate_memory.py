@@ -7,9 +7,10 @@ copies, FP8 cache, activations and transients, and the peak they add up to.
 The weights are counted exactly from the model built on the meta device, each rank's part as the app shards it:
 experts split over ep, then over dp x cp (FSDP2), every other weight over dp x cp x ep, a pipeline rank holding its
 two DualPipeV chunks (rank 0 also the embedding, final norm and LM head). Activations are per token, per layer, of
-what the CUDA path keeps for the backward (activations_per_token), times the micro-batches in flight: one without
-a pipeline, with one the most that the rank's DualPipeV schedule holds at once (in_flight). Prints a table and the
-peak; with --gpu-memory, exits 1 when a rank's peak does not fit.
+what the CUDA path keeps for the backward under the run's --recompute (activations_per_token), a cp rank's own
+tokens, times the micro-batches in flight: one without a pipeline, with one the most that the rank's DualPipeV
+schedule holds at once (in_flight); a recompute adds, as a transient, what one layer's backward makes again. Prints
+a table and the peak; with --gpu-memory, exits 1 when a rank's peak does not fit.
 """
 import argparse
 import math
@@ -29,53 +30,101 @@ GIB = 2**30
 LOSS_CHUNK = 4096   # tokens per chunk of pith_ops.cross_entropy.linear_cross_entropy
 
 
-def activations_per_token(hf: dict, layer: int, width: int) -> tuple[float, float]:
-    """(bytes a token leaves in decoder layer `layer` for the backward, of them the experts' weight-gradient inputs
-    that a paired or deferred weight gradient keeps longer), computing in `width`-byte floats. Counted from the
-    stages: the norms' inputs and outputs, q, k, v and the attention output (plus its fp32 log-sum-exp), the
-    router's fp32 probabilities, and per routed slot the expert input, the gate/up output, the activation and the
-    expert output the combine weighs."""
-    h, heads = hf["hidden_size"], hf["num_attention_heads"]
-    if hf["model_type"] == "deepseek_v2":
-        qk, v = hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"], hf["v_head_dim"]
-        latent = 2 * hf["kv_lora_rank"] + hf["qk_rope_head_dim"] + heads * (hf["qk_nope_head_dim"] + v)
-        attention = width * (latent + heads * (2 * qk + 2 * v))
-        dense = hf["first_k_dense_replace"] > layer
-        experts, top_k, inner = hf["n_routed_experts"], hf["num_experts_per_tok"], hf["moe_intermediate_size"]
-        shared = 3 * hf["n_shared_experts"] * inner
-    elif hf["model_type"] == "qwen3_5_moe_text":
-        return qwen3_5_activations(hf, layer, width)
-    else:
-        qk_heads = heads + hf["num_key_value_heads"]
-        extra = qk_heads if hf["model_type"] == "qwen3_moe" else 0   # Qwen3's per-head q/k norms keep their inputs
-        attention = width * hf["head_dim"] * (2 * heads + 2 * hf["num_key_value_heads"] + extra)
-        dense, shared = False, 0
-        experts, top_k = hf.get("num_experts") or hf["num_local_experts"], hf["num_experts_per_tok"]
-        inner = hf["moe_intermediate_size"] if hf["model_type"] == "qwen3_moe" else hf["intermediate_size"]
-    attention += width * 4 * h + 4 * heads   # two norms' inputs and outputs; the log-sum-exp
-    if dense:
-        return attention + width * 3 * hf["intermediate_size"], 0.0
+def activations_per_token(hf: dict, layer: int, width: int, mode: str = "none", cp: int = 1,
+                          ep: int = 1) -> tuple[float, float, float]:
+    """(bytes a token leaves in decoder layer `layer` for the backward under --recompute `mode`, of them the experts'
+    weight-gradient inputs that a paired or deferred weight gradient keeps longer (recomputed first, under a
+    recompute), the bytes the layer's recompute makes again during its backward), computing in `width`-byte floats,
+    a cp rank's own tokens. none: every stage keeps what its backward reads (stage_one; the router's fp32
+    probabilities; per routed slot the expert input, the gate/up output, the activation and the expert output the
+    combine weighs; a shared expert's gate, up and product). full: each region (pith_engine.recompute) keeps its
+    inputs alone: the layer's input, the rows the experts receive and the routing, and the tokens where a shared
+    expert's region holds them. selective: those and the outputs of the GEMMs and attention kernels
+    (recompute.PRODUCTS). Under --ep a token's rows go to distinct_ranks ranks, and every mode keeps the exchange's
+    indices."""
+    h = hf["hidden_size"]
+    attention, products = stage_one(hf, layer, width, cp)
+    if hf["model_type"] == "deepseek_v2" and hf["first_k_dense_replace"] > layer:   # one region: its input kept
+        none = attention + width * 3 * hf["intermediate_size"]   # the MLP's gate and up outputs and their product
+        kept = dict(none=none, selective=width * (2 * h + 2 * hf["intermediate_size"]) + products, full=width * h)[mode]
+        return kept, 0.0, none - kept
+    experts, top_k, inner, shared, router = moe_shape(hf, width)
+    ranks = distinct_ranks(experts, top_k, ep)
+    routing = ranks * top_k * (width + 16)   # per row received: weights, and each slot's place in expert order, back
+    if ep > 1:   # the (token, rank) pairs' indices and unit weights (the rows back are summed keeping none)
+        routing += (8 + width) * ep + ranks * (16 + top_k)
     wgrad_inputs = width * top_k * (2 * h + 3 * inner)   # expert input and output gradient; gate/up grad, activation
-    routed = width * top_k * (2 * h + 3 * inner) + 4 * experts
-    return attention + routed + width * shared, wgrad_inputs
+    none = attention + wgrad_inputs + 4 * experts + width * 3 * shared + routing
+    if mode == "none":
+        return none, wgrad_inputs, 0.0
+    # the layer's input; the tokens (on one process the experts' rows; a shared expert's region holds them too); the
+    # rows the experts received under --ep
+    rows = 1 + (ep == 1 or shared > 0) + ranks * (ep > 1)
+    kept = width * h * rows + routing
+    if mode == "selective":   # the router's scores, the experts' gate/up and down, a shared expert's three
+        kept += products + router * experts + width * top_k * (2 * inner + h) + width * (2 * shared + h) * (shared > 0)
+        kept += width * (hf["model_type"] == "qwen3_5_moe_text")   # its shared expert's gate
+    return kept, wgrad_inputs, none - kept
 
 
-def qwen3_5_activations(hf: dict, layer: int, width: int) -> tuple[float, float]:
-    """activations_per_token of a Qwen3.5-MoE layer: a full-attention layer's q, its gate, k, v, the output and the
-    q/k norms' inputs; a linear-attention layer's q, k, v before and after the convolution, z, the rule's output
-    and its norm, the fp32 q, k, v the chunked rule takes and its three chunk-by-chunk fp32 matrices per value
-    head; then the MoE as the others', with the shared expert."""
-    h, top_k, inner = hf["hidden_size"], hf["num_experts_per_tok"], hf["moe_intermediate_size"]
+def stage_one(hf: dict, layer: int, width: int, cp: int) -> tuple[float, float]:
+    """(bytes per token stage 1 keeps without recompute: the norms' inputs and outputs, q, k, v and the attention
+    output with its fp32 log-sum-exp, what the q/k norms and MLA's latent keep; of its products the bytes selective
+    keeps: the projections' GEMM outputs and, at cp 1, SDPA's output and log-sum-exp). flex_attention (GPT-OSS's
+    sinks) and ring attention (--cp) are not products: selective runs them again. Under --cp the ring keeps a
+    rank's own q, k and v (DeepSeek-V2: its latent and rope key, expanded again in the backward), output and
+    log-sum-exp; but each block's expansion, a GEMM, runs inside the region, so selective keeps cp of them."""
+    h, heads, family = hf["hidden_size"], hf["num_attention_heads"], hf["model_type"]
+    if family == "qwen3_5_moe_text":
+        return qwen3_5_stage_one(hf, layer, width, cp)
+    if family == "deepseek_v2":
+        nope, rope, v, rank = hf["qk_nope_head_dim"], hf["qk_rope_head_dim"], hf["v_head_dim"], hf["kv_lora_rank"]
+        q_lora, expanded, qk = hf.get("q_lora_rank") or 0, heads * (nope + v), nope + rope
+        attention = 2 * rank + rope + 2 * q_lora + heads * (qk + v)   # latent, normed; rope key; q_lora's; q; output
+        attention += (expanded + heads * (qk + v)) * (cp == 1)   # kv_b_proj's output, each head's key and value
+        gemms, kernel = q_lora + heads * qk + rank + rope + expanded * cp + h, heads * v
+    else:
+        kv, head_dim = hf["num_key_value_heads"], hf["head_dim"]
+        norms = heads + kv if family == "qwen3_moe" else 0   # Qwen3's per-head q/k norms keep their inputs
+        attention = head_dim * (2 * heads + 2 * kv + norms)
+        gemms, kernel = head_dim * (heads + 2 * kv) + h, head_dim * heads * (family == "qwen3_moe")
+    kernel_kept = (width * kernel + 4 * heads) * (kernel > 0 and cp == 1)
+    return width * (attention + 4 * h) + 4 * heads, width * gemms + kernel_kept
+
+
+def qwen3_5_stage_one(hf: dict, layer: int, width: int, cp: int) -> tuple[float, float]:
+    """stage_one of a Qwen3.5-MoE layer: a full-attention layer's q, its gate, k, v, the output and the q/k norms'
+    inputs; a linear-attention layer's q, k, v before and after the convolution, z, the rule's output and its norm,
+    the fp32 q, k, v the chunked rule takes and its three chunk-by-chunk fp32 matrices per value head. Selective
+    keeps the projections' outputs (and at cp 1 SDPA's output); the convolution and the delta rule run again."""
+    h = hf["hidden_size"]
     if qwen3_5_layer_types(hf)[layer] == "full_attention":
         heads, kv, head_dim = hf["num_attention_heads"], hf["num_key_value_heads"], hf["head_dim"]
-        mixer = width * head_dim * (4 * heads + 3 * kv)
-    else:
-        v_heads, k_dim, v_dim = hf["linear_num_value_heads"], hf["linear_key_head_dim"], hf["linear_value_head_dim"]
-        qkv = 2 * hf["linear_num_key_heads"] * k_dim + v_heads * v_dim
-        mixer = width * (2 * qkv + 3 * v_heads * v_dim) + 4 * v_heads * (2 * k_dim + v_dim + 3 * 64)
-    wgrad_inputs = width * top_k * (2 * h + 3 * inner)
-    routed = wgrad_inputs + 4 * hf["num_experts"] + width * 3 * hf["shared_expert_intermediate_size"]
-    return mixer + width * 4 * h + routed, wgrad_inputs
+        kernel = (width * heads * head_dim + 4 * heads) * (cp == 1)
+        return width * (head_dim * (4 * heads + 3 * kv) + 4 * h), width * (head_dim * (2 * heads + 2 * kv) + h) + kernel
+    v_heads, k_dim, v_dim = hf["linear_num_value_heads"], hf["linear_key_head_dim"], hf["linear_value_head_dim"]
+    qkv = 2 * hf["linear_num_key_heads"] * k_dim + v_heads * v_dim
+    rule = 4 * v_heads * (2 * k_dim + v_dim + 3 * 64)
+    return width * (2 * qkv + 3 * v_heads * v_dim + 4 * h) + rule, width * (qkv + v_heads * v_dim + 2 * v_heads + h)
+
+
+def moe_shape(hf: dict, width: int) -> tuple[int, int, int, int, int]:
+    """(routed experts, top-k, an expert's width, the shared experts' width (0: none), the bytes of a router score:
+    DeepSeek-V2 routes in fp32, the others in the compute dtype) of an MoE layer."""
+    if hf["model_type"] == "deepseek_v2":
+        inner = hf["moe_intermediate_size"]
+        return hf["n_routed_experts"], hf["num_experts_per_tok"], inner, hf["n_shared_experts"] * inner, 4
+    experts = hf.get("num_experts") or hf["num_local_experts"]
+    inner = hf["intermediate_size"] if hf["model_type"] == "gpt_oss" else hf["moe_intermediate_size"]
+    return experts, hf["num_experts_per_tok"], inner, hf.get("shared_expert_intermediate_size", 0), width
+
+
+def distinct_ranks(experts: int, top_k: int, ep: int) -> float:
+    """How many of the ep ranks a token's top_k experts lie on (the (token, rank) rows dispatch sends per token), in
+    expectation for experts drawn uniformly without repeats: balanced routing, as the estimate takes it."""
+    if ep == 1:
+        return 1.0
+    return ep * (1 - math.comb(experts - experts // ep, top_k) / math.comb(experts, top_k))
 
 
 def in_flight(pp: int, micro_batches: int, rank: int, chunk_bytes: list[tuple[float, float]]) -> float:
@@ -175,7 +224,7 @@ def estimate(args) -> list[dict]:
         model = meta_model(args.model, cfg, tuple(held))
         plan.check_model(cfg.num_hidden_layers, moe_layers(model)[0].num_experts, args.seq_len)
         n = weight_elements(model, layout, compiled)
-        per_layer = {layer: activations_per_token(hf, layer, width) for layer in held}
+        per_layer = {layer: activations_per_token(hf, layer, width, args.recompute, args.cp, args.ep) for layer in held}
         # the head's inputs, and what the loss keeps from its forward to its backward: the last chunk's logits
         # (overwritten by their gradient) and, with several chunks, the earlier ones' weight-gradient sum
         loss_kept = width * cfg.vocab_size * (min(tokens, LOSS_CHUNK) + (tokens > LOSS_CHUNK) * hf["hidden_size"])
@@ -189,11 +238,13 @@ def estimate(args) -> list[dict]:
         if not plan.sharded:   # ComputeCasts: a copy of every weight held, kept for the step's micro-batches
             row["compute_copies"] = (width < 4) * width * n["local"]
             pairs = plan.world == 1 and micro_batches > 1   # (a pipeline's deferred ones are in_flight's)
-            row["transient"] = pairs * tokens * sum(pair for _, pair in per_layer.values())
+            row["transient"] = pairs * tokens * sum(pair for _, pair, _ in per_layer.values())
         else:   # FSDP2: the root and two layers gathered (one prefetched), a layer's fp32 gradient before its reduce
             row["compute_copies"] = width * (n["root"] + 2 * n["gathered"])
             # and under --fp8 both layouts of one weight, quantized at each use (Fp8WeightCache(keep=False))
             row["transient"] = 4 * n["gathered"] + 2 * max(n["fp8"], default=0) * args.fp8
+        # and the backward of a recomputed layer holds what its recompute made again, one micro-batch's
+        row["transient"] += tokens * max(again for _, _, again in per_layer.values())
         held_through = row["weights"] + row["optimizer"] + row["compute_copies"] + row["fp8_cache"]
         grads = row["gradients"] if micro_batches > 1 or plan.world > 1 else 0   # one micro-batch: they replace copies
         row["peak"] = max(row["weights"] + row["gradients"] + row["optimizer"],   # at the optimizer step

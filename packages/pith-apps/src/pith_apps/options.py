@@ -17,6 +17,7 @@ from pith_apps.models.qwen3_5_moe import Qwen3_5MoeConfig, Qwen3_5MoeForCausalLM
 from pith_apps.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from pith_engine.moe import BALANCE_MODES
 from pith_engine.optim import SCHEDULES
+from pith_engine.recompute import MODES as RECOMPUTE_MODES
 from pith_ops.fp8 import fp8_missing
 from pith_ops.gated_delta import fla_missing
 
@@ -102,6 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
         "kernels cannot run (not installed; on Hopper, Triton 3.4 to 3.7.0 without TileLang): run its Gated DeltaNet "
         "layers' delta rule on the torch reference, ~60x slower per layer, instead of stopping with what to install. "
         "Where fla-core's kernels can run they run; on CPU the reference runs without this flag.")
+    add("--recompute", choices=RECOMPUTE_MODES, default="none", help="What each decoder layer keeps for its backward "
+        "(default: none, everything it reads). selective: the outputs of its GEMMs and attention kernels; the norms, "
+        "rotary, SwiGLU activations and the experts' gather run again in the backward (elementwise work). full: "
+        "only the layer's input, the tokens its experts receive and the routing; the backward runs each layer's "
+        "forward again (a third more GEMM work per step) but never its all-to-alls.")
     add("--compile", action=argparse.BooleanOptionalAction, help="Compile the dense stages with torch.compile "
         "(default: on for CUDA, off on CPU, where it costs minutes).")
     add("--cuda-graph", action=argparse.BooleanOptionalAction, help="After the first 2 steps, capture the training "

@@ -13,9 +13,7 @@ import json
 import math
 import os
 import shutil
-import signal
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -29,6 +27,7 @@ from pith_apps.models.layers import use_fp8
 from pith_apps.options import (DTYPES, MODELS, check_args, hf_config_data, init_checkpoint, model_config,
                                parse_args, run_config_text)
 from pith_apps.run_log import RunLog, make_progress, peak_tflops
+from pith_apps.stop_signals import StopSignals
 from pith_engine.compile import compile_stages
 from pith_engine.context_parallel import zigzag_part
 from pith_engine.contract import check_model, moe_layers
@@ -39,6 +38,7 @@ from pith_engine.data_parallel import (drop_compute_copies, grad_norm, local_par
 from pith_engine.moe import update_expert_bias
 from pith_engine.optim import adamw, clipped_step, lr_at
 from pith_engine.parallel import LayoutError, Parallel
+from pith_engine.recompute import recompute_stages
 from pith_ops.fp8 import Fp8WeightCache
 
 
@@ -201,9 +201,10 @@ def micro_batches_per_rank(args, parallel: Parallel) -> int:
 
 
 def prepare_step(args, parallel: Parallel, device: torch.device, model) -> tuple:
-    """What a built model needs before its first step: its dense stages compiled (--compile; by default on CUDA
-    without context parallelism), AdamW, the FP8 weight cache under --fp8 and the step's CUDA graph (step_graph);
-    -> (optimizer, graph or None)."""
+    """What a built model needs before its first step: what it recomputes (--recompute), its dense stages compiled
+    (--compile; by default on CUDA without context parallelism), AdamW, the FP8 weight cache under --fp8 and the
+    step's CUDA graph (step_graph); -> (optimizer, graph or None)."""
+    recompute_stages(model, args.recompute)   # before the compile, which then compiles the recomputed stages
     if args.compile if args.compile is not None else device.type == "cuda" and parallel.cp == 1:
         compile_stages(model)
     optimizer = adamw(model, args.lr, args.weight_decay)
@@ -538,32 +539,6 @@ def restore(path: Path, model, optimizer, cfg, batches: dict, folder, parallel: 
     if parallel.rank == 0:
         print(f"resumed from {path} at step {meta['step']} (saved under {meta['layout']})")
     return meta["step"]
-
-
-class StopSignals:
-    """SIGTERM and SIGINT (Ctrl-C) ask the run to stop: it finishes the step, checkpoints and exits 0 (the ranks
-    agree on the step). Another signal more than a second later exits at once, the last checkpoint intact;
-    copies within the second (torchrun forwards what the shell already sent its workers) are the same request."""
-
-    def __init__(self):
-        self.asked, self.at, self.previous = None, 0.0, {}
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            self.previous = {sig: signal.signal(sig, self.handle) for sig in (signal.SIGTERM, signal.SIGINT)}
-        return self
-
-    def handle(self, signum, frame):
-        if self.asked and time.monotonic() - self.at > 1.0:
-            print(f"pith-train: {signal.Signals(signum).name} again: stopping now; the last checkpoint is intact",
-                  file=sys.stderr, flush=True)
-            os._exit(128 + signum)
-        if not self.asked:
-            self.asked, self.at = signal.Signals(signum).name, time.monotonic()
-
-    def __exit__(self, *exc):
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
 
 
 def main(argv=None):

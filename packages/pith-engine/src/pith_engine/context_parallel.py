@@ -8,14 +8,18 @@ labels and the rotary positions of a rank all follow that layout (`zigzag_positi
 block first, then cp - 1 times the block its ring predecessor held, passed on around the ring; the pass of the
 next block is in flight while the current one is computed. Each block returns its output and its log-sum-exp
 (lse); the blocks are merged by lse, so the result is the full-sequence attention's. What travels is whatever
-the caller's `expand` turns into keys and values (GQA's key-value heads, or MLA's compressed latent), and in the
-backward each block's gradient goes back to the rank it came from the way it came, each exchange in flight while
-the backward of the block before it is computed.
+the caller's `expand` turns into keys and values (GQA's key-value heads, or MLA's compressed latent); under a
+sliding window shorter than a chunk, only the keys another rank can see. A rank keeps for the backward only its
+own share: its queries, its payload, the merged output and lse. The backward passes the payload around the ring
+again, computes each block's forward again and back-propagates the merge's gradient into it; the gradients of
+each payload travel with it, gathering each rank's part, back to their owner; every exchange but the last of the
+backward is in flight while a block is computed.
 
 A recurrence along the sequence whose carry out of a chunk is affine in the carry into it (the gated delta rule's
 state) runs every chunk at once: each rank gives its chunks' affine maps, every rank scans all 2cp of them
 (`zigzag_affine_carries`), and each chunk corrects its result for the carry it really starts from.
 """
+import dataclasses
 import functools
 
 import torch
@@ -25,13 +29,14 @@ from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, fle
 from pith_engine.parallel import LayoutError
 
 
-def zigzag_positions(seq: int, cp: int, rank: int, device=None) -> torch.Tensor:
+def zigzag_positions(seq: int, cp: int, rank: int, device=None, tail: int | None = None) -> torch.Tensor:
     """The positions in the full sequence of the `seq` tokens cp rank `rank` holds: chunks rank and 2cp-1-rank
-    of the full sequence (cp * seq tokens), in that order."""
+    of the full sequence (cp * seq tokens), in that order; tail: only the last `tail` of each chunk."""
     chunk = seq // 2
     first, second = rank * chunk, (2 * cp - 1 - rank) * chunk
-    return torch.cat([torch.arange(first, first + chunk, device=device),
-                      torch.arange(second, second + chunk, device=device)])
+    skipped = 0 if tail is None else chunk - tail
+    return torch.cat([torch.arange(first + skipped, first + chunk, device=device),
+                      torch.arange(second + skipped, second + chunk, device=device)])
 
 
 def zigzag_part(tokens: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
@@ -84,15 +89,18 @@ def _compiled_merge():
 
 
 @functools.lru_cache(maxsize=64)
-def zigzag_block_mask(seq: int, cp: int, rank: int, source: int, window: int | None, device: str):
+def zigzag_block_mask(seq: int, cp: int, rank: int, source: int, window: int | None, device: str,
+                      tail: int | None = None):
     """The flex_attention BlockMask of cp rank `rank`'s queries against the keys cp rank `source` holds (seq
-    tokens each, zigzag): the same for every layer and step of a run, so made once."""
-    q_positions, k_positions = (zigzag_positions(seq, cp, r, device) for r in (rank, source))
+    tokens each, zigzag; tail: only the last `tail` of each chunk): the same for every layer and step of a run,
+    so made once."""
+    q_positions = zigzag_positions(seq, cp, rank, device)
+    k_positions = zigzag_positions(seq, cp, source, device, tail)
 
     def visible(batch, head, q_index, kv_index):
         offset = q_positions[q_index] - k_positions[kv_index]
         return (offset >= 0) & (offset < window) if window else offset >= 0
-    return create_block_mask(visible, None, None, seq, seq, device=device)
+    return create_block_mask(visible, None, None, seq, len(k_positions), device=device)
 
 
 def merge_blocks(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,29 +119,132 @@ def _merge(outs, lses):
 def ring_attention(q, payload: tuple, group, scale: float, window: int | None = None, expand=None):
     """(out, lse) of this cp rank's queries q [batch, heads, seq, dim] (zigzag layout) against the whole
     sequence's keys and values. payload: this rank's (k, v), or the tensors from which expand(*payload) makes
-    them; what travels around the ring. Blocks no query can see (outside every window) are passed on without
-    being computed."""
-    cp, rank = dist.get_world_size(group), dist.get_rank(group)
-    seq = q.shape[2]
-    q_positions = zigzag_positions(seq, cp, rank, q.device)
-    outs, lses = [], []
-    for step in range(cp):
-        passing = _launch_pass(payload, group) if step < cp - 1 else None
-        if passing is not None:
-            returned = {}   # the backward's exchange of this pass, from _Received's backward to _Sent's
-            token = _Sent.apply(returned, *payload)
-        source = (rank - step) % cp
-        if block_seen(seq, cp, rank, source, window):
-            k, v = expand(*payload) if expand else payload
-            mask = zigzag_block_mask(seq, cp, rank, source, window, str(q.device)) if q.is_cuda else None
-            out, lse = block_attention(q, k, v, q_positions, zigzag_positions(seq, cp, source, q.device), scale,
-                                       window, mask)
-            outs.append(out)
-            lses.append(lse)
-        if passing is not None:
-            payload = _Received.apply(returned, group, token, *_wait(*passing))
-    out, lse = merge_blocks(outs, lses)
-    return _Tie.apply(out, *payload), lse
+    them, each [..., seq, features]; what travels around the ring. Blocks no query sees (outside every window) are
+    not computed, forward or backward.
+
+    The backward keeps this rank's share of the sequence only: q, the payload, out and lse. It passes the payload
+    around the ring again and computes each block's forward again, and `expand` with it: expand must compute with
+    the tensors it computed with in the forward (close over its weights where a wrapper swaps a module's parameters
+    after the forward, as ComputeCasts does). Their gradients reach them through a backward nested in this one (as
+    in torch.utils.checkpoint's reentrant variant): into .grad, or through a compute copy's backward."""
+    ring = _Ring(group, dist.get_world_size(group), dist.get_rank(group), q.shape[2], scale, window, expand)
+    return _RingAttention.apply(q, ring, *payload)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ring:
+    """One ring attention call's settings and this rank's place in the ring."""
+    group: object
+    cp: int
+    rank: int
+    seq: int
+    scale: float
+    window: int | None
+    expand: object
+
+    @property
+    def tail(self) -> int | None:
+        """How many of each chunk's last tokens travel: under a sliding window shorter than a chunk, another rank's
+        queries (those of a later chunk) see at most the last window - 1 keys of a chunk (one at least: no pass is
+        empty); None: all of them."""
+        chunk = self.seq // 2
+        return max(self.window - 1, 1) if self.window and self.window - 1 < chunk else None
+
+    def travelling(self, payload) -> list:
+        """The part of this rank's payload that goes around the ring."""
+        tail = self.tail
+        return list(payload) if tail is None else [t.unflatten(-2, (2, -1))[..., -tail:, :].flatten(-3, -2)
+                                                   for t in payload]
+
+    def add_travelled(self, grads: list, travelled: list):
+        """Add the gradients of this rank's travelling payload (back from the ring) into those of its whole payload."""
+        for grad, part in zip(grads, travelled):
+            if self.tail is None:
+                grad.add_(part)
+            else:
+                grad.unflatten(-2, (2, -1))[..., -self.tail:, :].add_(part.unflatten(-2, (2, -1)))
+
+    def sees(self, source: int) -> bool:
+        return block_seen(self.seq, self.cp, self.rank, source, self.window)
+
+    def attend(self, q, held, source: int):
+        """(out, lse) of q against the payload `held` of rank `source`: its whole payload if this rank's, else the
+        part that travelled."""
+        tail = None if source == self.rank else self.tail
+        k, v = self.expand(*held) if self.expand else held
+        mask = (zigzag_block_mask(self.seq, self.cp, self.rank, source, self.window, str(q.device), tail)
+                if q.is_cuda else None)
+        return block_attention(q, k, v, zigzag_positions(self.seq, self.cp, self.rank, q.device),
+                               zigzag_positions(self.seq, self.cp, source, q.device, tail), self.scale, self.window,
+                               mask)
+
+    def block_grads(self, q, held, source: int, grad_out, lse, offset) -> list:
+        """The gradients of `held` (rank source's payload) through q's attention to it, q's added into q.grad: the
+        block's forward again, with autograd, and its part of the merge's gradient back-propagated into it. Per
+        query, with w = exp(lse_block - lse) its weight in the merge (out = sum of w * out_block, lse = logsumexp of
+        lse_block): out_block's gradient is w * grad_out, lse_block's w * (<grad_out, out_block> - offset), where
+        offset = <grad_out, out> - grad_lse."""
+        leaves = [t.detach().requires_grad_() for t in held]
+        with torch.enable_grad():
+            out, block_lse = self.attend(q, leaves, source)
+            weight = torch.exp(block_lse.detach() - lse)
+            torch.autograd.backward((out, block_lse), (
+                (weight.unsqueeze(-1) * grad_out).to(out.dtype),
+                weight * ((grad_out.float() * out.detach().float()).sum(-1) - offset)))
+        return [leaf.grad for leaf in leaves]
+
+
+class _RingAttention(torch.autograd.Function):
+    """ring_attention (see there): the forward passes the payload on while it computes the block it holds; the
+    backward passes it on again, and with it the gradients gathered for it."""
+
+    @staticmethod
+    def forward(ctx, q, ring: _Ring, *payload):
+        outs, lses, held, passed = [], [], payload, ring.travelling(payload)
+        for step in range(ring.cp):
+            passing = _launch_pass(passed, ring.group) if step < ring.cp - 1 else None
+            source = (ring.rank - step) % ring.cp
+            if ring.sees(source):
+                out, lse = ring.attend(q, held, source)
+                outs.append(out)
+                lses.append(lse)
+            if passing is not None:
+                held = passed = _wait(*passing)
+        out, lse = merge_blocks(outs, lses)
+        ctx.ring = ring
+        ctx.save_for_backward(q, out, lse, *payload)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        q, out, lse, *payload = ctx.saved_tensors
+        ring = ctx.ring
+        q = q.detach().requires_grad_()   # each block's backward adds its part of q's gradient into q.grad
+        offset = (grad_out.float() * out.float()).sum(-1) - grad_lse
+        held, gathered, own = ring.travelling(payload), [], None
+        for step in range(ring.cp):
+            # one batch a step, alike on every rank: the payload held passed on (but at the last step) and, from the
+            # third step, the gradients gathered for the one held in the step before. A payload's gradients start at
+            # its owner's successor (the owner keeps its own block's) and reach the owner after the last step.
+            onward = held if step < ring.cp - 1 else []
+            sent = [*onward, *(gathered if step >= 2 else [])]
+            passing = _launch_pass(sent, ring.group) if sent else None
+            source = (ring.rank - step) % ring.cp
+            grads = ring.block_grads(q, held if step else payload, source, grad_out, lse, offset) \
+                if ring.sees(source) else None
+            received = _wait(*passing) if passing is not None else []
+            if step == 0:
+                own = grads
+            elif step == 1:
+                gathered = grads or [torch.zeros_like(t) for t in held]
+            else:
+                gathered = received[len(onward):]
+                for total, grad in zip(gathered, grads or []):
+                    total.add_(grad)
+            held = received[:len(onward)]
+        if ring.cp > 1:   # the last gradients gathered on to their owner, the successor; this rank's come back
+            ring.add_travelled(own, _wait(*_launch_pass(gathered, ring.group)))
+        return q.grad, None, *own
 
 
 def _neighbours(group) -> tuple[int, int]:
@@ -148,63 +259,17 @@ def _exchange(sent: list[torch.Tensor], to: int, received: list[torch.Tensor], s
     return dist.batch_isend_irecv(ops)
 
 
-def _launch_pass(payload: tuple, group):
-    """Send this rank's payload on to its successor and receive its predecessor's; (works, buffers)."""
+def _launch_pass(tensors: list, group):
+    """Send `tensors` on to this rank's successor and receive its predecessor's, shaped alike; (works, buffers)."""
     before, after = _neighbours(group)
-    buffers = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in payload]
-    return _exchange([t.detach() for t in payload], after, buffers, before, group), buffers
+    buffers = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
+    return _exchange([t.detach() for t in tensors], after, buffers, before, group), buffers
 
 
 def _wait(works, buffers):
     for work in works:
         work.wait()
     return buffers
-
-
-class _Sent(torch.autograd.Function):
-    """The tensors a ring pass sends, as a token for _Received: made before the block computed with them, so that
-    in the backward, which runs nodes latest-made first, this waits for their gradients (sent back by the
-    successor, which received them) only after that block's backward has run, while the exchange was in flight."""
-
-    @staticmethod
-    def forward(ctx, returned, *sent):
-        ctx.returned = returned
-        return sent[0].new_empty(0)
-
-    @staticmethod
-    def backward(ctx, _):
-        return None, *_wait(*ctx.returned.pop("pass"))
-
-
-class _Received(torch.autograd.Function):
-    """The tensors a ring pass brought from the predecessor, joined to the graph through the token of those this
-    rank sent (_Sent): the backward launches the exchange that returns the received tensors' gradients to the
-    predecessor and takes those of the sent ones from the successor; _Sent's backward waits for it."""
-
-    @staticmethod
-    def forward(ctx, returned, group, token, *received):
-        ctx.returned, ctx.group = returned, group
-        return tuple(t.view_as(t) for t in received)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        before, after = _neighbours(ctx.group)
-        sent_grads = [torch.empty_like(g, memory_format=torch.contiguous_format) for g in grads]
-        ctx.returned["pass"] = (_exchange(list(grads), before, sent_grads, after, ctx.group), sent_grads)
-        return None, None, grads[0].new_empty(0), *(None for _ in grads)
-
-
-class _Tie(torch.autograd.Function):
-    """out, with `others` in its graph: the last block received reaches the backward even where no query saw it
-    (a sliding window), so that every rank takes part in each pass's backward exchange."""
-
-    @staticmethod
-    def forward(ctx, out, *others):
-        return out.view_as(out)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, *(None for _ in ctx.needs_input_grad[1:])
 
 
 def zigzag_chunks(group) -> tuple[int, int]:

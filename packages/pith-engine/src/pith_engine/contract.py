@@ -44,7 +44,9 @@ class MoeLayer(Protocol):
     def expert_stage(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor: ...
 
     def aggregate_stage(self, hidden: torch.Tensor, tokens: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
-        """-> the layer's output: hidden plus the routed sum [batch * seq, hidden] (plus shared experts)."""
+        """-> the layer's output, hidden + (routed + shared): routed the routed sum [batch * seq, hidden], shared the
+        shared experts' output of tokens (0 without them). Activation recompute evaluates shared alone, as
+        aggregate_stage(0, tokens, 0) (pith_engine.recompute)."""
 
 
 class MoeModel(Protocol):

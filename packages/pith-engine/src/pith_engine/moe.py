@@ -7,6 +7,7 @@ the single-process reference that every parallel and pipelined schedule is compa
 Each all-to-all goes through `exchange`: while a pipeline's overlapped pair runs (`comm_turns`, set by
 pith_engine.dualpipev), the other micro-batch's computation runs while it is in flight.
 """
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -50,11 +51,17 @@ def dispatch(tokens: torch.Tensor, routing: Routing, num_experts: int, group=Non
     """Stage 2: tokens [tokens, hidden] -> one row per (token, local expert) slot, grouped by expert. With an
     expert-parallel group, expert e lives on group rank e // (num_experts / ranks) and each token travels
     once to each rank that holds any of its experts (dropless; the rows sent are (token, rank) pairs)."""
+    rows, plan = send_rows(tokens, routing, num_experts, group)
+    return dispatch_tokens(rows, plan.order, plan.inverse, plan.top_k), plan
+
+
+def send_rows(tokens: torch.Tensor, routing: Routing, num_experts: int, group=None) -> tuple[torch.Tensor, DispatchPlan]:
+    """Stage 2 up to the rows this rank's experts read, before their gather into expert order: the tokens
+    themselves on one process, the (token, rank) pairs received under expert parallelism."""
     top_k = routing.expert_ids.shape[1]
     if group is None:
         order, inverse, tokens_per_expert = sort_by_expert(routing.expert_ids, num_experts)
-        plan = DispatchPlan(order, inverse, tokens_per_expert, top_k, routing.weights)
-        return dispatch_tokens(tokens, order, inverse, top_k), plan
+        return tokens, DispatchPlan(order, inverse, tokens_per_expert, top_k, routing.weights)
     ranks = dist.get_world_size(group)
     local_experts = num_experts // ranks
     goes_to = ranks_of_tokens(routing.expert_ids, local_experts, ranks)
@@ -72,16 +79,19 @@ def dispatch(tokens: torch.Tensor, routing: Routing, num_experts: int, group=Non
     row_ids = all_to_all(local_ids, send_counts, recv_counts, group)
     row_weights = all_to_all(pair_weights, send_counts, recv_counts, group)
     order, inverse, tokens_per_expert = sort_by_expert(row_ids, local_experts, present=sum(slots for _, slots in got))
-    plan = DispatchPlan(order, inverse, tokens_per_expert, top_k, row_weights,
-                        Exchange(group, pair_slot, pair_inverse, send_counts, recv_counts))
-    return dispatch_tokens(rows, order, inverse, top_k), plan
+    return rows, DispatchPlan(order, inverse, tokens_per_expert, top_k, row_weights,
+                              Exchange(group, pair_slot, pair_inverse, send_counts, recv_counts))
 
 
 def combine(expert_out: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
     """Stage 4: expert outputs in expert order -> [tokens, hidden], each token's outputs times its routing
     weights, summed (fused: the [tokens, top_k, hidden] intermediate is never written). Under expert
     parallelism the sum over a rank's experts is taken there, so one row per (token, rank) travels back."""
-    rows = combine_tokens(expert_out, plan.weights, plan.order, plan.inverse, plan.top_k)
+    return combine_back(combine_tokens(expert_out, plan.weights, plan.order, plan.inverse, plan.top_k), plan)
+
+
+def combine_back(rows: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+    """Combine from the sums over this rank's experts: back to the tokens' ranks and summed there."""
     exchange = plan.exchange
     if exchange is None:
         return rows
@@ -91,13 +101,22 @@ def combine(expert_out: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
     return combine_tokens(back, unit, exchange.pair_slot, exchange.pair_inverse, ranks)
 
 
+def local_experts(layer: MoeLayer, rows: torch.Tensor, tokens_per_expert, weights, order, inverse, top_k: int):
+    """What runs between the two exchanges: the rows gathered into expert order (dispatch's end), the experts
+    (stage 3) and the weighted sum over them (combine's start); one region for activation recompute."""
+    expert_out = layer.expert_stage(dispatch_tokens(rows, order, inverse, top_k), tokens_per_expert)
+    return combine_tokens(expert_out, weights, order, inverse, top_k)
+
+
 def run_moe_layer(layer: MoeLayer, x: torch.Tensor, *layer_args) -> torch.Tensor:
     """Run one MoE decoder layer's five stages in order; its experts module says which expert-parallel group
-    (if any) its experts are spread over."""
+    (if any) its experts are spread over. Under activation recompute (pith_engine.recompute) the experts are one
+    region, `layer.recomputed_experts`, between the all-to-alls, which never run twice."""
     hidden, tokens, routing = layer.attention_stage(x, *layer_args)
-    expert_in, plan = dispatch(tokens, routing, layer.num_experts, layer.experts.ep_group)
-    expert_out = layer.expert_stage(expert_in, plan.tokens_per_expert)
-    return layer.aggregate_stage(hidden, tokens, combine(expert_out, plan))
+    rows, plan = send_rows(tokens, routing, layer.num_experts, layer.experts.ep_group)
+    experts = getattr(layer, "recomputed_experts", None) or functools.partial(local_experts, layer)
+    summed = experts(rows, plan.tokens_per_expert, plan.weights, plan.order, plan.inverse, plan.top_k)
+    return layer.aggregate_stage(hidden, tokens, combine_back(summed, plan))
 
 
 BALANCE_MODES = ("global_batch", "micro_batch", "sequence", "aux_free")
@@ -130,6 +149,7 @@ class LoadBalance(nn.Module):
         # what the training forwards of this step routed (slots per expert) and attached (aux loss), this rank's
         self.register_buffer("expert_load", torch.zeros(num_experts), persistent=False)
         self.register_buffer("aux_loss", torch.zeros(()), persistent=False)
+        self.replaying = False   # an eager recompute of the forward (pith_engine.recompute): counted once already
 
     def _apply(self, fn, recurse=True):
         """The buffers stay fp32 through a model.to(bfloat16): in bf16 a load count stops at 256 and a bias
@@ -148,7 +168,7 @@ class LoadBalance(nn.Module):
         else:
             expert_ids = (candidates + self.expert_bias).topk(top_k, dim=-1).indices
             chosen = scores.gather(-1, expert_ids)
-        if torch.is_grad_enabled():   # a training forward, not an evaluation
+        if torch.is_grad_enabled() and not self.replaying:   # a training forward (not an evaluation or a recompute)
             self.expert_load += count_per_expert(expert_ids, self.num_experts)
         return expert_ids, chosen
 
@@ -157,7 +177,7 @@ class LoadBalance(nn.Module):
         if self.mode == "aux_free" or self.coef == 0:
             return hidden
         share = self.coef * self.scale * self.loss_share(probs, expert_ids, sequences)
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and not self.replaying:
             self.aux_loss += share.detach()
         return attach_aux_loss(hidden, share)
 

@@ -265,6 +265,10 @@ class _GroupedLinear(torch.autograd.Function):
         ctx.save_for_backward(x, weight, offs)
         ctx.wgrad_queue, ctx.wgrad_pairs, ctx.use_triton, ctx.fp8 = wgrad_queue, wgrad_pairs, use_triton, fp8
         ctx.grad_into = getattr(weight, "grad_into", None)
+        # the parameter whose .grad takes the gradient, kept as itself: a saved tensor comes back as a detached alias
+        # when activation recompute (torch.utils.checkpoint) made it, and a .grad set on that would be lost
+        ctx.master = ctx.grad_into if ctx.grad_into is not None else weight
+        ctx.weight = weight if fp8 is not None else None   # (as itself too: the FP8 cache knows a weight by its master)
         if fp8 is not None:
             return fp8.grouped_rows(x, weight, offs, x.is_cuda if use_triton is None else use_triton)
         return grouped_forward(x, weight, offs, use_triton)
@@ -276,7 +280,7 @@ class _GroupedLinear(torch.autograd.Function):
         triton_here = x.is_cuda if ctx.use_triton is None else ctx.use_triton
         grad_x = None
         if ctx.needs_input_grad[0] and ctx.fp8 is not None:
-            grad_x = ctx.fp8.grouped_rows(grad_out, weight, offs, triton_here, transpose=True)
+            grad_x = ctx.fp8.grouped_rows(grad_out, ctx.weight, offs, triton_here, transpose=True)
         elif ctx.needs_input_grad[0]:
             grad_x = grouped_dgrad(grad_out, weight, offs, ctx.use_triton)
         if not ctx.needs_input_grad[1]:
@@ -284,8 +288,7 @@ class _GroupedLinear(torch.autograd.Function):
         into = ctx.grad_into if triton_here else None
         if ctx.wgrad_queue is None and into is None:
             return grad_x, grouped_wgrad(grad_out, x, offs, ctx.use_triton), None, None, None, None, None
-        use_triton, pairs = ctx.use_triton, ctx.wgrad_pairs
-        master = weight if ctx.grad_into is None else ctx.grad_into
+        use_triton, pairs, master = ctx.use_triton, ctx.wgrad_pairs, ctx.master
 
         def accumulate_wgrad():
             if into is not None:

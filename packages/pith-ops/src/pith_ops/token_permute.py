@@ -279,13 +279,17 @@ class _Combine(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, expert_out, weights, order, inverse, top_k):
-        ctx.save_for_backward(expert_out, weights, order)
+        # the rows only for the weights' gradient: constant weights (expert parallelism's sum over ranks) keep none
+        ctx.save_for_backward(expert_out if ctx.needs_input_grad[1] else None, weights, order)
         ctx.top_k = top_k
         return _combine(expert_out, weights, order, inverse, top_k)
 
     @staticmethod
     def backward(ctx, grad):
         expert_out, weights, order = ctx.saved_tensors
+        if expert_out is None:   # each row's token's gradient times its weight
+            rows = _gather(grad, order, order, ctx.top_k) * weights.flatten()[order].unsqueeze(-1)
+            return rows.to(grad.dtype), None, None, None, None
         return *_combine_backward(grad, expert_out, order, weights, ctx.top_k), None, None, None
 
 

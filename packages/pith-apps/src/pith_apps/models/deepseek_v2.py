@@ -161,15 +161,20 @@ class DeepseekV2Attention(nn.Module):
         latent, k_rope = self.kv_a_layernorm(latent), apply_rotary_pairs(k_rope.unsqueeze(1), cos, sin)
         query = torch.cat([q_nope, apply_rotary_pairs(q_rope, cos, sin)], -1)
         if self.ring is not None:   # the latent and the shared rope key travel, not each head's key and value
-            out = ring_attention(query, (latent, k_rope), self.ring, self.scale, expand=self.keys_and_values)[0]
+            weight = self.kv_b_proj.weight   # this forward's, for the ring's backward, which expands again
+            out = ring_attention(query, (latent, k_rope), self.ring, self.scale,
+                                 expand=lambda latent, k_rope: self.keys_and_values(latent, k_rope, weight))[0]
         else:
             out = causal_attention(query, *self.keys_and_values(latent, k_rope), self.scale, docs=docs)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
-    def keys_and_values(self, latent, k_rope):
-        """Each head's key (its nope part from the normed latent, the rope part shared) and value."""
+    def keys_and_values(self, latent, k_rope, weight=None):
+        """Each head's key (its nope part from the normed latent, the rope part shared) and value; weight: kv_b_proj's
+        to compute with where not the one it holds (after the forward ComputeCasts has put the fp32 master back)."""
         batch, seq, _ = latent.shape
-        kv = self.kv_b_proj(latent).view(batch, seq, self.heads, -1).transpose(1, 2)
+        kv = (self.kv_b_proj(latent) if weight is None
+              else torch.func.functional_call(self.kv_b_proj, {"weight": weight}, (latent,)))
+        kv = kv.view(batch, seq, self.heads, -1).transpose(1, 2)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], -1)
         return torch.cat([k_nope, k_rope.expand(-1, self.heads, -1, -1)], -1), v   # one rope key for all heads
 
