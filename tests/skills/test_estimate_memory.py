@@ -34,8 +34,10 @@ REAL = {"qwen3": "30b-a3b", "deepseek_v2": "lite", "gpt_oss": "20b"}
 # peak GiB of the app's step (mixed precision, 4 layers, 4096 tokens, micro-batches of one sequence) on the H200,
 # with the loss's 4096-token logits chunk: bench/RESULTS.md session 18 for the three rows at 8 micro-batches without
 # --fp8 (the loss's weight gradient computed in its backward), session 17 for the others (not measured again)
+# The last two: --recompute on an H100 (session 21; the step allocates alike on both GPUs: none measured 57.4 there too)
 H200_PEAKS = [("qwen3", 8, [], 57.4), ("qwen3", 1, [], 46.5), ("deepseek_v2", 8, [], 42.4), ("deepseek_v2", 1, [], 34.2),
-              ("gpt_oss", 8, [], 80.7), ("gpt_oss", 1, [], 66.4), ("qwen3", 8, ["--fp8"], 62.4)]
+              ("gpt_oss", 8, [], 80.7), ("gpt_oss", 1, [], 66.4), ("qwen3", 8, ["--fp8"], 62.4),
+              ("qwen3", 8, ["--recompute", "selective"], 56.5), ("qwen3", 8, ["--recompute", "full"], 55.2)]
 
 
 @pytest.mark.parametrize("family,accum,flags,measured", H200_PEAKS)
