@@ -84,3 +84,34 @@ class SavedBytes:
                  if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in left_out}
         del output
         return sum(sizes.values())
+
+
+# The quick tier (`hatch test -- -m quick`): one representative test of every package, of each parallel layout
+# against its reference and of the app's loop, for a change's first check; the full suite stays the judge.
+QUICK = ("ops/test_swiglu.py::test_swiglu_kernel_matches_reference_forward_and_backward",
+         "ops/test_token_permute_and_grouped_gemm.py::test_grouped_linear_matches_per_expert_matmul_forward_and_backward",
+         "ops/test_cross_entropy.py::test_matches_reference_loss_and_gradients",
+         "ops/test_fp8.py::test_the_fp8_linear_is_the_gemms_of_its_dequantized_operands",
+         "ops/test_gated_delta.py::test_the_chunked_rule_is_transformers_torch_path",
+         "engine/test_moe.py::test_five_stages_in_order_equal_the_direct_computation",
+         "engine/test_dualpipev.py::test_the_planned_exchanges_complete_under_nccls_rules_and_match_every_message",
+         "engine/test_comm_order.py::test_the_pipelines_old_order_is_a_cycle_and_batched_exchanges_complete",
+         "engine/test_expert_parallel.py::test_expert_parallel_dispatch_and_combine_equal_one_process",
+         "engine/test_context_parallel.py::test_ring_attention_over_the_zigzag_layout_is_the_whole_sequences_attention",
+         "engine/test_recompute.py::test_each_mode_gives_the_gradients_of_no_recompute",
+         "engine/test_optim_checkpoint.py::test_crash_during_save_keeps_the_previous_checkpoint",
+         "apps/test_hf_checkpoint.py::test_qwen3_matches_transformers",
+         "apps/test_train.py::test_short_run_lowers_the_loss",
+         "apps/test_pipeline.py::test_two_pipeline_ranks_give_the_sequential_runs_loss_and_gradients[False]",
+         "apps/test_nccl_order.py::test_the_pipelines_exchanges_complete_under_nccls_rules[2]",
+         "skills/test_skill_docs.py")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "quick: the quick tier (tests/conftest.py's QUICK)")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.nodeid.removeprefix("tests/").startswith(QUICK):
+            item.add_marker("quick")

@@ -236,6 +236,10 @@ def test_run_config_file_sets_the_flags_and_the_command_line_overrides_it(tmp_pa
     assert not {"data", "device", "data-cache", "data-workers"} & keys   # this machine's defaults: left out
     again = train_app.parse_args(["--run-config", str(printed)])
     assert vars(again) | {"run_config": None} == vars(args) | {"run_config": None, "print_config": False}
+    (tmp_path / "config.json").write_text("{}")
+    for given in ("--init", "--config"):   # the model comes from there: no --preset line, which the run would not use
+        printed = train_app.run_config_text(train_app.parse_args(["qwen3", given, str(tmp_path)]))
+        assert "preset = " not in printed and f"{given[2:]} = " in printed, printed
 
 
 @pytest.mark.parametrize("toml,argv,named", [
@@ -476,8 +480,8 @@ def test_fine_tune_then_export_gives_a_folder_transformers_loads_with_our_logits
     train_app.main(["qwen3", "--init", str(start), "--export-hf", str(export), "--out", str(tmp_path / "run"),
                     "--steps", "5", "--batch-size", "4", "--seq-len", "32", "--quiet"])
     assert f"exported the model to {export}" in capsys.readouterr().out
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        assert (export / name).read_bytes() == (start / name).read_bytes()
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):   # transformers wrote the last
+        assert (export / name).read_bytes() == (start / name).read_bytes(), name
     theirs = transformers.AutoModelForCausalLM.from_pretrained(export, attn_implementation="eager")
     args = train_app.parse_args(["qwen3", "--init", str(export)])
     ours, before = (train_app.MODELS["qwen3"][1](train_app.model_config(args)) for _ in range(2))
@@ -601,6 +605,21 @@ def test_without_a_terminal_progress_is_a_line_every_twentieth_of_the_run(capsys
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 20 and lines[0].startswith("step 12/50: loss 4.900, 1,234 tokens/s, eta ")
     assert lines[-1] == "step 50/50: loss 1.100, 1,234 tokens/s, eta 0m00s"
+
+
+def test_an_evaluation_shows_its_held_out_loss_in_the_progress(capsys):
+    """Without a terminal, a step that evaluated prints its line (between the twentieths too) with the held-out loss;
+    on a terminal the bar shows the last one beside the loss."""
+    args = train_app.parse_args(["qwen3", "--steps", "40"])
+    update = make_progress(0, args, terminal=False)
+    for step in range(3):
+        update(5.0, 1000.0, 4.25 if step == 2 else None)   # step 3 evaluated; the twentieths are every 2nd step
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 and lines[1].startswith("step 3/40: loss 5.000, held-out loss 4.250, 1,000 tokens/s, eta ")
+    update = make_progress(38, args, terminal=True)   # the bar's last 2 steps: it closes, showing its last state
+    update(5.0, 1000.0, 4.25)
+    update(4.0, 1000.0)
+    assert "loss=4.000, held_out=4.250, tok_s=1,000" in capsys.readouterr().err
 
 
 def tensorboard_events(folder):

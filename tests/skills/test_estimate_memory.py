@@ -265,3 +265,11 @@ def test_the_script_says_whether_a_layout_fits_and_refuses_one_the_app_would():
     assert len(fits.stdout.splitlines()) == 3 and row[0] == "0" and float(row[-1]) == peak and 40 < peak < 141
     assert "does NOT fit 40 GiB" in tight.stdout
     assert bad.stderr.startswith("estimate_memory: error: --batch-size=16 cannot be split over dp x ep = 3")
+
+
+def test_a_tiny_model_is_printed_in_mib():
+    """The tiny preset on one process (a few MiB): its columns in MiB, not 0.00 GiB each; the peak line the same."""
+    done = run("--", "qwen3", "--device", "cpu")
+    header, row, last = done.stdout.splitlines()
+    assert done.returncode == 0 and header.endswith("(MiB)") and last.split()[2] == "MiB", done.stdout
+    assert 0.1 < float(row.split(" | ")[-1]) == float(last.split()[1]) < 1024

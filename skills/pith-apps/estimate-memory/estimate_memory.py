@@ -256,9 +256,15 @@ def estimate(args) -> list[dict]:
 COLUMNS = ("weights", "gradients", "optimizer", "compute_copies", "fp8_cache", "activations", "transient", "peak")
 
 
+def unit(peak: float) -> tuple[str, int]:
+    """GiB, or MiB for a peak under 1 GiB (a tiny model's columns would all read 0.00 GiB)."""
+    return ("GiB", GIB) if peak >= GIB else ("MiB", 2**20)
+
+
 def table(rows: list[dict]) -> str:
-    lines = ["pp rank | " + " | ".join(COLUMNS) + "   (GiB)"]
-    lines += [f"{row['rank']} | " + " | ".join(f"{row[c] / GIB:.2f}" for c in COLUMNS) for row in rows]
+    name, size = unit(max(row["peak"] for row in rows))
+    lines = ["pp rank | " + " | ".join(COLUMNS) + f"   ({name})"]
+    lines += [f"{row['rank']} | " + " | ".join(f"{row[c] / size:.2f}" for c in COLUMNS) for row in rows]
     return "\n".join(lines)
 
 
@@ -276,7 +282,8 @@ def main(argv=None) -> int:
     peak = max(row["peak"] for row in rows)
     fits = options.gpu_memory is None or peak <= options.gpu_memory * GIB
     verdict = "" if options.gpu_memory is None else f"; {'fits' if fits else 'does NOT fit'} {options.gpu_memory:g} GiB"
-    print(f"peak {peak / GIB:.2f} GiB per GPU (pipeline rank {max(rows, key=lambda r: r['peak'])['rank']}){verdict}")
+    name, size = unit(peak)
+    print(f"peak {peak / size:.2f} {name} per GPU (pipeline rank {max(rows, key=lambda r: r['peak'])['rank']}){verdict}")
     return 0 if fits else 1
 
 

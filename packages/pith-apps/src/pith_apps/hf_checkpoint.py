@@ -23,7 +23,7 @@ from pith_apps.config import ConfigError, read_json, require, write_problem
 
 MAX_SHARD_BYTES = 5 * 10**9
 HF_FOLDER_FILES = ("config.json", "*.safetensors", "model.safetensors.index.json", "tokenizer.json",
-                   "tokenizer_config.json", "special_tokens_map.json")   # what save_hf writes
+                   "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")   # what save_hf writes
 # E2M1 code -> value: codes 0..7 are 0, .5, 1, 1.5, 2, 3, 4, 6; codes 8..15 their negatives
 FP4_VALUES = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
 

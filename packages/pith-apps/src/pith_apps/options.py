@@ -28,7 +28,9 @@ MODELS = {"qwen3": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
 FAMILY_OF = {"qwen3_moe": "qwen3", "deepseek_v2": "deepseek_v2", "gpt_oss": "gpt_oss",   # config model_type -> family
              "qwen3_5_moe_text": "qwen3_5", "qwen3_5_moe": "qwen3_5"}
 PRESETS = Path(__file__).parent / "presets"
-TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json")   # copied beside tokenizer.json on export
+# copied from beside tokenizer.json on export: the tokenizer's settings, and where the tokenizer is a model folder's
+# own (--init's), that folder's generation settings
+TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -189,11 +191,12 @@ def read_run_config(path: str, parser: argparse.ArgumentParser) -> dict:
 
 def run_config_text(args: argparse.Namespace) -> str:
     """args as a TOML run config (flags left unset are left out, and so are this machine's defaults: the file
-    should run as well on another)."""
+    should run as well on another; and --preset where --init or --config gives the model instead)."""
     lines, defaults = [], build_parser()
     for dest, value in vars(args).items():
         machine_default = dest in ("data", "device", "data_cache", "data_workers") and value == defaults.get_default(dest)
-        if value is not None and dest not in ("run_config", "print_config") and not machine_default:
+        unused = dest == "preset" and (args.init or args.config)
+        if value is not None and dest not in ("run_config", "print_config") and not machine_default and not unused:
             text = str(value).lower() if isinstance(value, bool) else json.dumps(value)
             lines.append(f"{dest.replace('_', '-')} = {text}")
     return "\n".join(lines) + "\n"

@@ -70,17 +70,21 @@ def load_heatmap(loads: torch.Tensor, cell: int = 8) -> torch.Tensor:
 
 
 def make_progress(start: int, args, terminal: bool | None = None):
-    """A progress bar with the ETA on a terminal (stderr); elsewhere (a log file, a job scheduler) a line every
-    twentieth of the run and at its end."""
+    """update(loss, tokens_per_s, held_out loss or None) after each step: a progress bar with the ETA on a terminal
+    (stderr), the last held-out loss beside the loss; elsewhere (a log file, a job scheduler) a line every twentieth
+    of the run, at its end and at each evaluation, which the line then gives."""
     if args.quiet:
-        return lambda loss, tokens_per_s: None
+        return lambda loss, tokens_per_s, held_out=None: None
     if not (sys.stderr.isatty() if terminal is None else terminal):
         return progress_lines(start, args.steps)
     from tqdm import tqdm
     bar = tqdm(total=args.steps, initial=start, desc=f"train {args.model}", unit="step", dynamic_ncols=True)
+    shown = {}
 
-    def update(loss, tokens_per_s):
-        bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
+    def update(loss, tokens_per_s, held_out=None):
+        if held_out is not None:
+            shown["held_out"] = f"{held_out:.3f}"
+        bar.set_postfix({"loss": f"{loss:.3f}", **shown, "tok_s": f"{tokens_per_s:,.0f}"}, refresh=False)
         bar.update()
         if bar.n == args.steps:
             bar.close()
@@ -90,10 +94,11 @@ def make_progress(start: int, args, terminal: bool | None = None):
 def progress_lines(start: int, steps: int):
     every, tic, done = max(1, (steps - start) // 20), time.perf_counter(), [start]
 
-    def update(loss, tokens_per_s):
+    def update(loss, tokens_per_s, held_out=None):
         done[0] += 1
-        if (done[0] - start) % every == 0 or done[0] == steps:
+        if (done[0] - start) % every == 0 or done[0] == steps or held_out is not None:
             left = (time.perf_counter() - tic) / (done[0] - start) * (steps - done[0])
-            print(f"step {done[0]}/{steps}: loss {loss:.3f}, {tokens_per_s:,.0f} tokens/s, "
+            evaluated = "" if held_out is None else f", held-out loss {held_out:.3f}"
+            print(f"step {done[0]}/{steps}: loss {loss:.3f}{evaluated}, {tokens_per_s:,.0f} tokens/s, "
                   f"eta {int(left // 60)}m{int(left % 60):02d}s", flush=True)
     return update

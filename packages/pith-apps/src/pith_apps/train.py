@@ -257,7 +257,7 @@ def train_on(args, cfg, parallel: Parallel, device: torch.device, data, folder, 
     on_lead(parallel, folder.begin)   # every check passed: only now is a run that --overwrite replaces deleted
     lead = parallel.rank == 0
     losses, speeds, evals = [], [], []
-    progress = make_progress(start, args) if lead else lambda loss, tokens_per_s: None
+    progress = make_progress(start, args) if lead else lambda loss, tokens_per_s, held_out: None
     hf_config, peak = hf_config_data(args), args.peak_tflops or peak_tflops(device)
     flops = flops_per_token(hf_config, args.seq_len)   # per token of training, for the MFU
     saved_meta = dict(run=run_id, config=config_dict(cfg), layout=dict(pp=parallel.pp, dp=parallel.dp, cp=parallel.cp, ep=parallel.ep),
@@ -281,10 +281,11 @@ def train_on(args, cfg, parallel: Parallel, device: torch.device, data, folder, 
             if device.type == "cuda":
                 scalars["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
             log.step(step + 1, scalars, routing, last=step + 1 == args.steps or stop)
-            if args.eval_every and ((step + 1) % args.eval_every == 0 or step + 1 == args.steps):
+            evaluated = args.eval_every and ((step + 1) % args.eval_every == 0 or step + 1 == args.steps)
+            if evaluated:
                 evals.append(evaluate(args, parallel, device, model, held_out, pipeline))
                 log.eval(step + 1, evals[-1])
-            progress(loss_value, tokens_per_s)
+            progress(loss_value, tokens_per_s, evals[-1] if evaluated else None)
             if (args.save_every and ((step + 1) % args.save_every == 0 or step + 1 == args.steps or stop)
                     or export_checkpoint and step + 1 == args.steps):
                 require_finite_weights(model, parallel, step + 1)

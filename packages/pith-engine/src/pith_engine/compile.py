@@ -17,6 +17,9 @@ from pith_engine.contract import MoeModel
 
 def compile_stages(model: MoeModel) -> MoeModel:
     """Compile, in place, the dense stages of model.layers; returns the model."""
+    # A stage that --recompute checkpoints (pith_engine.recompute) counts its routing in a buffer (LoadBalance): the
+    # compiled backward recomputes tensors only, so that count is made once, in the forward, as eagerly.
+    once_in_recompute = torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True)
     for layer in model.layers.values():
         if layer.is_moe:
             layer.attention_stage = once_in_recompute(torch.compile(layer.attention_stage, fullgraph=layer.fullgraph,
@@ -24,8 +27,3 @@ def compile_stages(model: MoeModel) -> MoeModel:
         else:
             layer.compile(fullgraph=True, dynamic=False)
     return model
-
-
-# A stage that --recompute checkpoints (pith_engine.recompute) counts its routing in a buffer (LoadBalance): the
-# compiled backward recomputes tensors only, so that count is made once, in the forward, as eagerly.
-once_in_recompute = torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True)

@@ -7,7 +7,6 @@ the single-process reference that every parallel and pipelined schedule is compa
 Each all-to-all goes through `exchange`: while a pipeline's overlapped pair runs (`comm_turns`, set by
 pith_engine.dualpipev), the other micro-batch's computation runs while it is in flight.
 """
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -113,8 +112,11 @@ def run_moe_layer(layer: MoeLayer, x: torch.Tensor, *layer_args) -> torch.Tensor
     (if any) its experts are spread over. Under activation recompute (pith_engine.recompute) the experts are one
     region, `layer.recomputed_experts`, between the all-to-alls, which never run twice."""
     hidden, tokens, routing = layer.attention_stage(x, *layer_args)
+    experts = getattr(layer, "recomputed_experts", None)
+    if experts is None:
+        expert_in, plan = dispatch(tokens, routing, layer.num_experts, layer.experts.ep_group)
+        return layer.aggregate_stage(hidden, tokens, combine(layer.expert_stage(expert_in, plan.tokens_per_expert), plan))
     rows, plan = send_rows(tokens, routing, layer.num_experts, layer.experts.ep_group)
-    experts = getattr(layer, "recomputed_experts", None) or functools.partial(local_experts, layer)
     summed = experts(rows, plan.tokens_per_expert, plan.weights, plan.order, plan.inverse, plan.top_k)
     return layer.aggregate_stage(hidden, tokens, combine_back(summed, plan))
 

@@ -1,6 +1,7 @@
 """Parallel: how the world's ranks are laid out, as a (pp, dp, cp, ep) device mesh, outer to inner.
 
-Built once by the app and passed down explicitly; nothing reads parallel state from a global. Rank r sits
+Built once by the app and passed down explicitly: the groups of a layout come from it, never from a global (what
+spans the whole world uses the default group: the clip's all-reduce of the norm, checkpoints' rank 0). Rank r sits
 at mesh coordinates (pp, dp, cp, ep) with r = ((pp * DP + dp) * CP + cp) * EP + ep, so expert-parallel
 peers are neighbouring ranks (the all-to-all stays inside a node) and pipeline stages are farthest apart.
 """
