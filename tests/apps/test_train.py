@@ -20,7 +20,7 @@ from pith_apps.config import ConfigError, flops_per_token
 from pith_apps.data import (DEFAULT_CORPUS, ByteTokenizer, HFTokenizer, batch_at, document_ids, held_out_batch,
                              split_held_out, token_store)
 from pith_apps.models.layers import use_fp8
-from pith_apps.run_log import make_progress
+from pith_apps.run_log import load_figure
 from pith_engine.compile import compile_stages
 from pith_engine.contract import moe_layers
 from pith_engine.optim import adamw, lr_at
@@ -38,6 +38,23 @@ def test_short_run_lowers_the_loss(model, tmp_path):
     assert abs(losses[0] - 5.55) < 0.15
     assert sum(losses[-5:]) / 5 < 0.5 * losses[0]
     assert (tmp_path / "checkpoints" / "latest").is_file() and any((tmp_path / "tb").iterdir())
+
+
+def test_a_busy_cpu_is_named_with_the_thread_count_to_set(tmp_path, monkeypatch, capsys):
+    """More threads than the cores the load average leaves free: one line naming the load and OMP_NUM_THREADS=free
+    (at least 1); as many or fewer: nothing. The app prints it before the data, and never changes the count."""
+    assert train_app.busy_cpu_advice(0.3, 4, 4) is None and train_app.busy_cpu_advice(2.6, 4, 1) is None
+    assert train_app.busy_cpu_advice(1.6, 4, 4).endswith("run with OMP_NUM_THREADS=2")
+    assert train_app.busy_cpu_advice(7.0, 2, 2).endswith("run with OMP_NUM_THREADS=1")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(train_app.os, "getloadavg", lambda: (64.0, 0.0, 0.0))
+    threads = torch.get_num_threads()
+    train_app.train(train_app.parse_args(["qwen3", "--out", str(tmp_path), "--steps", "1", "--batch-size", "2",
+                                          "--seq-len", "16", "--save-every", "0", "--device", "cpu"]))
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("the CPU is busy")]
+    assert torch.get_num_threads() == threads
+    assert said == ([f"the CPU is busy (load 64.0 on {len(train_app.os.sched_getaffinity(0))} cores) and this run "
+                     f"uses {threads} threads: if steps are slow, run with OMP_NUM_THREADS=1"] if threads > 1 else [])
 
 
 @pytest.mark.parametrize("model", list(train_app.MODELS))
@@ -597,31 +614,6 @@ def test_a_run_from_a_model_folder_is_named_after_it(tmp_path, monkeypatch):
     assert (tmp_path / "runs" / "qwen3-my-model" / "run.json").is_file() and not (tmp_path / "runs" / "qwen3-tiny").exists()
 
 
-def test_without_a_terminal_progress_is_a_line_every_twentieth_of_the_run(capsys):
-    args = train_app.parse_args(["qwen3", "--steps", "50"])
-    update = make_progress(10, args, terminal=False)   # resumed at step 10: 40 steps to go
-    for step in range(40):
-        update(5.0 - step / 10, 1234.5)
-    lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == 20 and lines[0].startswith("step 12/50: loss 4.900, 1,234 tokens/s, eta ")
-    assert lines[-1] == "step 50/50: loss 1.100, 1,234 tokens/s, eta 0m00s"
-
-
-def test_an_evaluation_shows_its_held_out_loss_in_the_progress(capsys):
-    """Without a terminal, a step that evaluated prints its line (between the twentieths too) with the held-out loss;
-    on a terminal the bar shows the last one beside the loss."""
-    args = train_app.parse_args(["qwen3", "--steps", "40"])
-    update = make_progress(0, args, terminal=False)
-    for step in range(3):
-        update(5.0, 1000.0, 4.25 if step == 2 else None)   # step 3 evaluated; the twentieths are every 2nd step
-    lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == 2 and lines[1].startswith("step 3/40: loss 5.000, held-out loss 4.250, 1,000 tokens/s, eta ")
-    update = make_progress(38, args, terminal=True)   # the bar's last 2 steps: it closes, showing its last state
-    update(5.0, 1000.0, 4.25)
-    update(4.0, 1000.0)
-    assert "loss=4.000, held_out=4.250, tok_s=1,000" in capsys.readouterr().err
-
-
 def tensorboard_events(folder):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     events = EventAccumulator(str(folder), size_guidance={"scalars": 0, "images": 0, "histograms": 0})
@@ -668,7 +660,8 @@ def test_tensorboard_holds_the_scalars_the_held_out_loss_and_the_expert_load_pic
         expected = (model.loss_sum(windows[:, :-1], windows[:, 1:]) / windows[:, 1:].numel()).item()
     assert abs(evals[-1].value - expected) < 1e-5 * expected
     pictures = events.Images("experts/load")
-    assert [e.step for e in pictures] == [3, 6] and (pictures[0].height, pictures[0].width) == (2 * 8, 8 * 8)
+    width, height = load_figure(torch.ones(2, 8), "").size   # the figure of 2 MoE layers x 8 experts
+    assert [e.step for e in pictures] == [3, 6] and (pictures[0].width, pictures[0].height) == (width, height)
     histograms = [tag for tag in events.Tags()["histograms"] if tag.startswith("experts/load_of_layer_")]
     assert sorted(histograms) == ["experts/load_of_layer_0", "experts/load_of_layer_1"]
     assert [e.step for e in events.Histograms("experts/load_of_layer_1")] == [3, 6]

@@ -3,6 +3,7 @@ by tensor, each rank's weights, gradients and AdamW state after a step on severa
 keeps for its backward under each recompute mode (one process, cp 2 and ep 2), and the DualPipeV activation count
 of the DeepSeek-V3 report."""
 import functools
+import os
 import subprocess
 import sys
 import weakref
@@ -17,6 +18,7 @@ import pith_apps.train as train_app
 import pith_engine.moe as moe
 from conftest import SavedBytes, recording_fp8_cache
 from distributed import run_on_processes
+from test_commands import doc_command, shown_output
 from pith_apps.config import read_json
 from pith_apps.options import MODELS, PRESETS, hf_config_data, parse_args
 from pith_engine.data_parallel import local_part
@@ -273,3 +275,12 @@ def test_a_tiny_model_is_printed_in_mib():
     header, row, last = done.stdout.splitlines()
     assert done.returncode == 0 and header.endswith("(MiB)") and last.split()[2] == "MiB", done.stdout
     assert 0.1 < float(row.split(" | ")[-1]) == float(last.split()[1]) < 1024
+
+
+def test_the_skills_example_prints_what_its_skill_md_shows():
+    """The line of skills/pith-apps/estimate-memory/SKILL.md, run as written, prints the table the SKILL.md shows,
+    to its last digit, and exits 0 (it fits)."""
+    env, argv = doc_command("skills/pith-apps/estimate-memory/SKILL.md", "estimate_memory.py")
+    done = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, env=os.environ | env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == shown_output("skills/pith-apps/estimate-memory/SKILL.md", "pp rank |")

@@ -1,5 +1,6 @@
 """plan-layout: the layouts it lists fit, with the least recompute that fits, come in order of their modelled time,
 and its command trains; the launch playbook's table is its choice on 141 and 80 GiB GPUs."""
+import os
 import re
 import subprocess
 import sys
@@ -7,6 +8,7 @@ from pathlib import Path
 
 from pith_apps.config import flops_per_token
 from pith_apps.options import hf_config_data, parse_args
+from test_commands import doc_command, shown_output
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "skills/pith-apps/plan-layout/plan_layout.py"
@@ -33,7 +35,8 @@ def test_the_layouts_listed_fit_in_time_order_and_none_is_refused():
     assert len(rows) == 5
     for (pp, dp, cp, ep, micro, recompute, peak, _), launch in zip(rows, lines[1::2]):
         assert int(pp) * int(dp) * int(cp) * int(ep) == 8 and float(peak) <= 141 * 0.92
-        assert launch.strip().startswith("torchrun --nproc-per-node 8 -m pith_apps.train qwen3 --preset 30b-a3b")
+        assert launch.strip().startswith("hatch run apps:torchrun --nproc-per-node 8 -m pith_apps.train qwen3 "
+                                         "--preset 30b-a3b")
         assert f"--micro-batch-size {micro}" in launch and (pp == "1" or f"--pp {pp}" in launch)
         assert (f"--recompute {recompute}" in launch) == (recompute != "none")
     times = [float(row[7]) for row in rows]
@@ -52,14 +55,14 @@ def test_on_one_gpu_the_step_is_the_flops_at_the_given_rate():
 
 
 def test_the_first_plan_trains_as_printed(tmp_path):
-    """A tiny run on 2 CPU processes: the first command, torchrun run as python -m torch.distributed.run, trains
-    its 2 steps (exit 0, the app's last line); a layout flag given to the plan is refused (exit 2)."""
+    """A tiny run on 2 CPU processes: the first command, run as hatch runs it (python -m torch.distributed.run),
+    trains its 2 steps (exit 0, the app's last line); a layout flag given to the plan is refused (exit 2)."""
     train = ["qwen3", "--device", "cpu", "--batch-size", "8", "--seq-len", "64", "--steps", "2", "--save-every", "0",
              "--quiet", "--out", str(tmp_path / "run")]
     done = plan("--gpus", "2", "--gpu-memory", "1", "--", *train)
     launch = done.stdout.splitlines()[1].split()
-    assert launch[0] == "torchrun" and "--nproc-per-node" in launch
-    ran = subprocess.run([sys.executable, "-m", "torch.distributed.run", *launch[1:]], capture_output=True, text=True)
+    assert launch[:3] == ["hatch", "run", "apps:torchrun"] and "--nproc-per-node" in launch
+    ran = subprocess.run([sys.executable, "-m", "torch.distributed.run", *launch[3:]], capture_output=True, text=True)
     assert ran.returncode == 0 and "trained steps 1-2" in ran.stdout, ran.stderr[-2000:]
     refused = plan("--gpus", "2", "--gpu-memory", "1", "--", "qwen3", "--ep", "2")
     assert refused.returncode == 2 and "--ep: the plan chooses the layout" in refused.stderr
@@ -110,3 +113,12 @@ def test_every_layout_the_launch_table_gives_fits_as_stated():
             if layout:
                 peak = max(row["peak"] for row in estimate(parse_args([*train, *layout.split()]))) / GIB
                 assert abs(peak - float(stated)) < 0.006 and peak < memory * 0.92, (run, memory, layout, peak)
+
+
+def test_the_skills_example_prints_what_its_skill_md_shows():
+    """The line of skills/pith-apps/plan-layout/SKILL.md, run as written: its first layout and command are the two
+    lines the SKILL.md shows."""
+    env, argv = doc_command("skills/pith-apps/plan-layout/SKILL.md", "plan_layout.py")
+    done = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, env=os.environ | env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines()[:2] == shown_output("skills/pith-apps/plan-layout/SKILL.md", "pp=4 dp=1")

@@ -1,7 +1,7 @@
 """Profile training steps of the app's own step with torch.profiler: a trace, the heaviest kernels and the time of
 each of the MoE layers' five stages.
 
-  python skills/pith-apps/capture-profile/profile_steps.py --out prof [--warmup 2] [--active 2] \
+  hatch run apps:python skills/pith-apps/capture-profile/profile_steps.py --out prof [--warmup 2] [--active 2] \
       -- qwen3 [any other flag of pith-train]
 
 Runs `--warmup` steps, then profiles `--active` more (eagerly: a replayed CUDA graph hides its kernels). Writes, in

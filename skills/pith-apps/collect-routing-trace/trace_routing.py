@@ -1,25 +1,23 @@
 """Train with the app's step on one process and record, at chosen steps, which experts chosen MoE layers routed each
 token to and with what weights; then draw each layer's expert load over the recorded steps.
 
-  python skills/pith-apps/collect-routing-trace/trace_routing.py --out trace [--layers 1,3] [--every 10] \
+  hatch run apps:python skills/pith-apps/collect-routing-trace/trace_routing.py --out trace [--layers 1,3] [--every 10] \
       -- qwen3 --steps 100 [any other flag of pith-train]
 
 Writes trace/step-NNNNNNNN.safetensors per recorded step (layer.L.expert_ids int32 [tokens, top_k] and
 layer.L.weights float32 [tokens, top_k], all micro-batches of the step in order) and trace/load-layer-L.png (a
-row per recorded step, a column per expert: white at the layer's mean load, red up to 4x it, blue down to a
-quarter). Prints one line per recorded step: the loss and each traced layer's busiest expert with its share of the slots.
+row per recorded step, a column per expert: white at the step's mean load, red up to 4x it, blue down to a
+quarter; labelled axes and colour scale). Prints one line per recorded step: the loss and each traced layer's busiest expert with its share of the slots.
 """
 import argparse
-import struct
 import sys
-import zlib
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
 from pith_apps.options import model_config, parse_args
-from pith_apps.run_log import load_heatmap
+from pith_apps.run_log import load_figure
 from pith_apps.data import batch_at
 from pith_apps.train import one_process_step, training_tokens
 
@@ -33,18 +31,6 @@ def record_routing(layer, into: list):
         into.append((routing.expert_ids.detach().to(torch.int32).cpu(), routing.weights.detach().float().cpu()))
         return hidden, tokens, routing
     layer.attention_stage = recorded
-
-
-def write_png(path: Path, image: torch.Tensor):
-    """image [3, height, width] in [0, 1] as an 8-bit RGB PNG."""
-    pixels = (image.clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).contiguous()
-    raw = b"".join(b"\x00" + row.numpy().tobytes() for row in pixels)   # filter type 0 before each row
-
-    def chunk(tag: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data))
-    header = struct.pack(">IIBBBBB", pixels.shape[1], pixels.shape[0], 8, 2, 0, 0, 0)
-    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw))
-                     + chunk(b"IEND", b""))
 
 
 def main(argv=None):
@@ -82,7 +68,9 @@ def main(argv=None):
             calls[n].clear()
     for n in chosen:
         if loads[n]:
-            write_png(out / f"load-layer-{n}.png", load_heatmap(torch.stack(loads[n])))
+            steps = range(own.every, own.every * len(loads[n]) + 1, own.every)
+            load_figure(torch.stack(loads[n]), f"MoE layer {n}: expert load per recorded step", rows="step",
+                        row_names=steps).save(out / f"load-layer-{n}.png")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Each pipeline rank's memory for a pith-train run on its layout: weights, gradients, AdamW state, compute
 copies, FP8 cache, activations and transients, and the peak they add up to.
 
-  python skills/pith-apps/estimate-memory/estimate_memory.py [--gpu-memory GIB] -- qwen3 --preset 30b-a3b \
+  hatch run apps:python skills/pith-apps/estimate-memory/estimate_memory.py [--gpu-memory GIB] -- qwen3 --preset 30b-a3b \
       --seq-len 4096 --batch-size 64 --micro-batch-size 1 --dp 8 --ep 8 [any other flag of pith-train]
 
 The weights are counted exactly from the model built on the meta device, each rank's part as the app shards it:

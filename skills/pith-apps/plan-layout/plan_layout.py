@@ -1,7 +1,7 @@
 """The layouts (pp, dp, cp, ep, micro-batch size and recompute mode) of a pith-train run that fit a number of GPUs,
 ranked by a modelled step time, each with the torchrun command that launches it.
 
-  python skills/pith-apps/plan-layout/plan_layout.py --gpus 8 --gpu-memory 141 -- qwen3 --preset 30b-a3b \
+  hatch run apps:python skills/pith-apps/plan-layout/plan_layout.py --gpus 8 --gpu-memory 141 -- qwen3 --preset 30b-a3b \
       --device cuda --seq-len 4096 --batch-size 64
 
 Every layout the app accepts (sizes whose product is --gpus; without --micro-batch-size, each micro-batch size
@@ -78,8 +78,8 @@ def step_seconds(args, options, hf: dict, peak_rows) -> float:
 def command(options, layout: dict) -> str:
     nodes = max(1, options.gpus // options.gpus_per_node)
     per_node = options.gpus // nodes
-    launch = (f"torchrun --nproc-per-node {per_node}" if nodes == 1 else
-              f"torchrun --nnodes {nodes} --nproc-per-node {per_node} --rdzv-backend c10d --rdzv-endpoint HOST:29500")
+    launch = (f"hatch run apps:torchrun --nproc-per-node {per_node}" if nodes == 1 else f"hatch run apps:torchrun "
+              f"--nnodes {nodes} --nproc-per-node {per_node} --rdzv-backend c10d --rdzv-endpoint HOST:29500")
     skip = ("recompute",) * options.recompute_given   # then in the run's flags already
     return f"{launch} -m pith_apps.train {' '.join(options.train)} {layout_flags(layout, skip)}"
 

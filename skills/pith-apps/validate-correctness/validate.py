@@ -1,9 +1,9 @@
 """Check a change or a parallel layout against a reference run: the same pith-train run twice, step by step, its
 loss and gradient norm compared within a tolerance; prints PASS or FAIL (exit status 0 or 1).
 
-  python skills/pith-apps/validate-correctness/validate.py --against main -- qwen3 --steps 20 --device cpu
-      this checkout's code against the code of git revision `main` (or of a checkout folder), one process each
-  python skills/pith-apps/validate-correctness/validate.py --layout "--ep 2" -- qwen3 --steps 20 --device cpu
+  hatch run apps:python skills/pith-apps/validate-correctness/validate.py --against HEAD -- qwen3 --steps 20 --device cpu
+      this checkout's code against the code of git revision `HEAD` (or of a checkout folder), one process each
+  hatch run apps:python skills/pith-apps/validate-correctness/validate.py --layout "--ep 2" -- qwen3 --steps 20 --device cpu
       this checkout on the processes the layout needs (torchrun) against itself on one process
 
 Each side is the app itself (`python -m pith_apps.train`, the code of its tree first on PYTHONPATH) in a process of

@@ -1,5 +1,5 @@
 """What a run writes to TensorBoard (<out>/tb), from rank 0: the step's scalars under train/, the held-out
-loss and perplexity under eval/, and each MoE layer's expert load as a heatmap image (layers x experts) and
+loss and perplexity under eval/, and each MoE layer's expert load as a figure (layers x experts, labelled, with its colour scale) and
 histograms under experts/, so that routing collapse shows at a glance. A resumed run purges what the
 interrupted one logged after the checkpoint it resumes from, so every curve holds each step once. And what
 it shows on the console as it goes (make_progress), and the GPU's data-sheet peak the MFU scalar is taken against."""
@@ -7,6 +7,7 @@ import math
 import sys
 import time
 
+import numpy as np
 import torch
 
 
@@ -47,7 +48,8 @@ class RunLog:
             self.writer.add_scalar("eval/perplexity", math.exp(min(loss, 700.0)), number)
 
     def expert_load(self, number: int, loads: torch.Tensor):
-        self.writer.add_image("experts/load", load_heatmap(loads), number, dataformats="CHW")
+        figure = load_figure(loads, f"expert load at step {number}")
+        self.writer.add_image("experts/load", np.asarray(figure), number, dataformats="HWC")
         for layer, row in enumerate(loads.cpu()):
             self.writer.add_histogram(f"experts/load_of_layer_{layer}", row / row.mean().clamp_min(1e-9), number)
 
@@ -59,14 +61,67 @@ class RunLog:
             self.writer.close()
 
 
-def load_heatmap(loads: torch.Tensor, cell: int = 8) -> torch.Tensor:
-    """[3, layers x cell, experts x cell] RGB in [0, 1]: each expert's load over its layer's mean, white where
-    balanced, towards red up to 4x the mean and towards blue down to a quarter of it (log scale)."""
-    ratio = loads.float().cpu() / loads.float().cpu().mean(1, keepdim=True).clamp_min(1e-9)
-    tilt = (ratio.clamp_min(1e-9).log2() / 2).clamp(-1, 1)   # -1: a quarter of the mean or less, +1: 4x or more
+def load_colours(ratio: torch.Tensor) -> torch.Tensor:
+    """[..., 3] RGB in [0, 1] of each load over its mean: white where balanced, towards red up to 4x the mean and
+    towards blue down to a quarter of it (log scale)."""
+    tilt = (ratio.float().cpu().clamp_min(1e-9).log2() / 2).clamp(-1, 1)   # -1: a quarter or less, +1: 4x or more
     over, under = tilt.clamp_min(0), (-tilt).clamp_min(0)
-    image = torch.stack([1 - under, 1 - over - under, 1 - over])   # red keeps R, blue keeps B, white keeps all
-    return image.repeat_interleave(cell, 1).repeat_interleave(cell, 2)
+    return torch.stack([1 - under, 1 - over - under, 1 - over], dim=-1)   # red keeps R, blue keeps B, white keeps all
+
+
+def to_image(colours: torch.Tensor):
+    from PIL import Image   # Pillow: a dependency of tensorboard's
+    return Image.fromarray((colours * 255).round().to(torch.uint8).contiguous().numpy())
+
+
+def ticks(count: int, most: int = 8) -> list[int]:
+    """Tick positions 0, s, 2s, ... below count: s the smallest power of two or 1, 2 or 5 times a power of ten that
+    gives at most `most` of them."""
+    steps = sorted({b * 10 ** p for b in (1, 2, 5) for p in range(7)} | {2 ** p for p in range(24)})
+    step = next(s for s in steps if -(-count // s) <= most)
+    return list(range(0, count, step))
+
+
+def load_figure(loads: torch.Tensor, title: str, rows: str = "MoE layer", row_names=None):
+    """A PIL RGB figure of loads [rows, experts] by load_colours of each over its row's mean: a cell per (row, expert), the axes labelled (`rows` down, "expert"
+    across, ticks by `ticks`, rows named by row_names or numbered from 0), a colour scale of load / mean from 1/4 to 4,
+    and the title. The cells take about 512 x 320 pixels for 4 to 256 experts and 2 to 64 rows (at least 1 pixel
+    each), so the figure is some 680 pixels wide: readable at TensorBoard's size, where a pixel per cell is not."""
+    from PIL import Image, ImageDraw, ImageFont
+    count, experts = loads.shape
+    names = list(range(count)) if row_names is None else list(row_names)
+    cell_w, cell_h = max(1, 512 // experts), max(1, min(40, 320 // count))
+    width, height = experts * cell_w, count * cell_h
+    left, top, bar = 64, 32, max(height, 160)
+    font = ImageFont.load_default(size=13)
+    figure = Image.new("RGB", (left + width + 112, top + bar + 48), "white")
+    ratio = loads.float().cpu() / loads.float().cpu().mean(1, keepdim=True).clamp_min(1e-9)
+    figure.paste(to_image(load_colours(ratio)).resize((width, height), Image.NEAREST), (left, top))
+    draw = ImageDraw.Draw(figure)
+    draw.rectangle([left - 1, top - 1, left + width, top + height], outline="black")
+    draw.text((left, 8), title, fill="black", font=font)
+    for e in ticks(experts):
+        x = left + e * cell_w + cell_w // 2
+        draw.line([(x, top + height), (x, top + height + 4)], fill="black")
+        draw.text((x, top + height + 6), str(e), fill="black", font=font, anchor="ma")
+    draw.text((left + width // 2, top + height + 24), "expert", fill="black", font=font, anchor="ma")
+    for r in ticks(count):
+        y = top + r * cell_h + cell_h // 2
+        draw.line([(left - 5, y), (left - 1, y)], fill="black")
+        draw.text((left - 8, y), str(names[r]), fill="black", font=font, anchor="rm")
+    label = Image.new("RGB", (int(draw.textlength(rows, font=font)) + 2, 16), "white")
+    ImageDraw.Draw(label).text((1, 1), rows, fill="black", font=font)
+    figure.paste(label.rotate(90, expand=True), (4, top + height // 2 - label.width // 2))
+    scale_x, levels = left + width + 24, torch.linspace(2, -2, bar)   # log2 of load / mean, top to bottom
+    figure.paste(to_image(load_colours(levels.exp2()[:, None].expand(-1, 14))), (scale_x, top))
+    draw.rectangle([scale_x - 1, top - 1, scale_x + 14, top + bar], outline="black")
+    for power, text in zip(range(2, -3, -1), ("4", "2", "1", "1/2", "1/4")):
+        y = top + round((2 - power) / 4 * (bar - 1))
+        draw.line([(scale_x + 14, y), (scale_x + 18, y)], fill="black")
+        draw.text((scale_x + 21, y), text, fill="black", font=font, anchor="lm")
+    draw.text((scale_x + 7, top + bar + 6), "load / mean", fill="black", font=font, anchor="ma")
+    figure.info["cells"] = (left, top, cell_w, cell_h)   # where the cells are, for a reader of the pixels
+    return figure
 
 
 def make_progress(start: int, args, terminal: bool | None = None):

@@ -54,6 +54,10 @@ def train(args) -> list[float]:
     if args.warmup >= args.steps:
         log(f"--warmup {args.warmup} is not shorter than --steps {args.steps}: the learning rate rises for the whole "
             f"run and never reaches --lr {args.lr}")
+    busy = args.device == "cpu" and "OMP_NUM_THREADS" not in os.environ and busy_cpu_advice(   # torchrun sets it
+        os.getloadavg()[0], len(os.sched_getaffinity(0)), torch.get_num_threads())
+    if busy:
+        log(busy)
     stream = training_tokens(args, cfg, log=log)
     stream, held_out = split_held_out(stream, args.eval_batches if args.eval_every else 0, args.batch_size, args.seq_len)
     joined = join_processes(args)
@@ -123,6 +127,18 @@ def join_processes(args) -> bool:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo")
     return True
+
+
+def busy_cpu_advice(load: float, cores: int, threads: int) -> str | None:
+    """A line for a process whose threads (torch's default: one per core) outnumber the cores other work leaves free
+    (the last minute's load average): a thread that waits for a busy core stalls every step (one process on 2 busy
+    cores ran 5-9x slower with 2 threads than with 1). Advice, not a change of the count: the load average is the
+    last minute's, so a run started right after another sees that one's load on cores now idle."""
+    free = max(1, round(cores - load))
+    if threads <= free:
+        return None
+    return (f"the CPU is busy (load {load:.1f} on {cores} cores) and this run uses {threads} threads: if steps are "
+            f"slow, run with OMP_NUM_THREADS={free}")
 
 
 def layout(args) -> tuple[Parallel, torch.device]:
