@@ -40,6 +40,76 @@ def test_chunks_compute_the_token_by_token_recurrence_and_its_gradients(dtype, t
         assert relative_error(ours, reference) < tolerance
 
 
+def starts_at(resets, seq: int, device=None):
+    """[rows, seq] bool, True at each row's reset tokens (resets: one tuple of token numbers per row)."""
+    starts = torch.zeros(len(resets), seq, dtype=torch.bool, device=device)
+    for row, tokens in enumerate(resets):
+        starts[row, list(tokens)] = True
+    return starts
+
+
+def each_document_alone(q, k, v, g, beta, state, resets):
+    """recurrent_gated_delta over each document of each row by itself: from a zero state, but a row's first
+    document from the row's state where no reset opens the row; -> (outputs, each row's last document's state)."""
+    outputs, finals = [], []
+    for row, tokens in enumerate(resets):
+        bounds = sorted({0, *tokens, q.shape[1]})
+        pieces = [[t[row:row + 1, start:end] for t in (q, k, v, g, beta)] for start, end in zip(bounds, bounds[1:])]
+        runs = [recurrent_gated_delta(*piece, None if start or 0 in tokens else state[row:row + 1])
+                for piece, start in zip(pieces, bounds)]
+        outputs.append(torch.cat([out for out, _ in runs], 1))
+        finals.append(runs[-1][1])
+    return torch.cat(outputs), torch.cat(finals)
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float64, 1e-12), (torch.float32, 1e-6)])
+def test_resets_give_each_document_as_it_runs_alone_and_its_gradients(chunked, dtype, tolerance):
+    """Resets (starts) at token 0 (the row's state dropped), on chunk boundaries (32, 64, 96), twice in a row (40
+    and 41; 64 and 65), mid-chunk and at the last token, the other row keeping its state: the chunked rule (chunks
+    of 32, the last padded) and the loop give each document's output, each row's final state and the gradients of
+    all six inputs that each document run alone gives; the dropped state's gradient is 0. Chunked, seen 1.1e-15 in
+    float64 and 4.4e-7 in float32 (the loop: equal); a log-decay of -80 at the resets instead gave 3.3e-6."""
+    resets = [(0, 32, 40, 41, 100), (64, 65, 96, 149)]
+    leaves = [t.requires_grad_() for t in delta_inputs(dtype)]
+    starts = starts_at(resets, 150)
+    ours = chunked_gated_delta(*leaves, starts, chunk=32) if chunked else recurrent_gated_delta(*leaves, starts)
+    alone = each_document_alone(*leaves, resets)
+    weights = [torch.randn_like(t) for t in alone]
+    grads = [torch.autograd.grad(sum((t * w).sum() for t, w in zip(out, weights)), leaves) for out in (ours, alone)]
+    assert not grads[0][5][0].any()   # the state a reset at token 0 drops has no gradient
+    for mine, reference in [*zip(ours, alone), *zip(*grads)]:
+        assert relative_error(mine, reference) < tolerance
+
+
+def varlen_rule(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens):
+    """fla's chunk_gated_delta_rule with cu_seqlens as fla documents it (one row; sequence n is tokens
+    cu_seqlens[n] to cu_seqlens[n + 1], from initial_state[n], default zeros), computed by the torch reference."""
+    assert q.shape[0] == 1 and cu_seqlens.dtype == torch.int64 and output_final_state and use_qk_l2norm_in_kernel
+    bounds = cu_seqlens.tolist()
+    runs = [gated_delta(*(t[:, start:end] for t in (q, k, v, g, beta)),
+                        None if initial_state is None else initial_state[n:n + 1], scale)
+            for n, (start, end) in enumerate(zip(bounds, bounds[1:]))]
+    return torch.cat([out for out, _ in runs], 1), torch.cat([final for _, final in runs])
+
+
+@pytest.mark.parametrize("initial", [True, False])
+def test_resets_reach_fla_as_its_variable_length_sequences(initial):
+    """gated_delta's path to fla's kernels with resets (fla_over_documents), on a stand-in for the kernels that
+    keeps fla's contract for cu_seqlens: the output, final state and gradients of the reference with the same
+    resets, also of a row opened by a reset (its state dropped) and without a state (float64, exact to rounding)."""
+    resets = [(0, 64, 65, 100), (32, 149)]
+    q, k = (torch.randn(2, 150, 2, 16, dtype=torch.float64) for _ in range(2))
+    leaves = [t.requires_grad_() for t in [q, k, *delta_inputs(torch.float64, heads=4)[2:]]][:6 if initial else 5]
+    state, starts = leaves[5] if initial else None, starts_at(resets, 150)
+    fast = rule.fla_over_documents(varlen_rule, *leaves[:5], state, 0.3, starts)
+    reference = gated_delta(*leaves[:5], state, 0.3, starts)
+    weights = [torch.randn_like(t) for t in reference]
+    grads = [torch.autograd.grad(sum((t * w).sum() for t, w in zip(out, weights)), leaves) for out in (fast, reference)]
+    for ours, expected in [*zip(fast, reference), *zip(*grads)]:
+        assert relative_error(ours, expected) < 1e-12
+
+
 @pytest.mark.skipif(importlib.util.find_spec("fla") is not None, reason="transformers calls fla-core's kernels "
                     "where it is installed; this compares its torch path")
 def test_the_chunked_rule_is_transformers_torch_path():
@@ -111,31 +181,34 @@ def test_from_an_unknown_state_the_output_and_final_state_are_its_affine_maps():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="fla-core's Triton kernels run on CUDA (the device machine)")
-@pytest.mark.parametrize("resets", [(), (0, 130, 140, 600)])
-def test_fla_kernels_compute_the_reference_rule_and_its_gradients(monkeypatch, resets):
-    """Qwen3.5-35B's head layout (16 key heads, 32 value heads, 128 x 128), 1000 tokens, bf16 q, k, v as training
-    feeds them, fp32 decay, write strength and state: fla-core's output, final state and the gradients of all six
-    inputs against the fp32 reference on the same bf16 values, relative error under 2e-2 (bf16's rounding of the
-    kernels' intermediates). With resets, --doc-mask's log-decay of -80 at documents' first tokens, two of them in
-    one 64-token chunk. fla-core refuses Triton 3.4-3.7.0 on Hopper (its issue 640: a miscompile at 64-wide key
-    blocks; 128-dim keys take 128-wide blocks there): lifted here, so this checks the kernels at the model's shape
-    on whatever Triton the machine has."""
+@pytest.mark.parametrize("resets", [None, [(0, 130, 140, 600), (64, 65, 999)]])
+@pytest.mark.parametrize("initial", [True, False])
+def test_fla_kernels_compute_the_reference_rule_and_its_gradients(monkeypatch, resets, initial):
+    """Qwen3.5-35B's head layout (16 key heads, 32 value heads, 128 x 128), 2 rows of 1000 tokens, bf16 q, k, v as
+    training feeds them, fp32 decay, write strength and state (initial False: none, zeros): fla-core's output, final
+    state and the gradients of all inputs against the fp32 reference on the same bf16 values, relative error under
+    2e-2 (bf16's rounding of the kernels' intermediates). With resets (--doc-mask's document starts, fla's
+    variable-length sequences): row 0's at token 0 (its state dropped), two in one 64-token chunk and one more; row
+    1's on a chunk boundary, the token after it and the last token, its first document from its state. fla-core
+    refuses Triton 3.4-3.7.0 on Hopper (its issue 640: a miscompile at 64-wide key blocks; 128-dim keys take 128-wide
+    blocks there): lifted here, so this checks the kernels at the model's shape on whatever Triton the machine has."""
     chunk_o = pytest.importorskip("fla.ops.common.chunk_o")
     monkeypatch.setattr(chunk_o, "TRITON_ABOVE_3_7_1", True, raising=False)
     monkeypatch.setattr(rule, "FAST_RULES", {})
     generator = torch.Generator(device="cuda").manual_seed(0)
     draw = lambda *shape, dtype=torch.float32: torch.randn(*shape, generator=generator, device="cuda").to(dtype)   # noqa: E731
-    q, k, v = draw(1, 1000, 16, 128, dtype=torch.bfloat16), draw(1, 1000, 16, 128, dtype=torch.bfloat16), \
-        draw(1, 1000, 32, 128, dtype=torch.bfloat16)
-    g, beta, state = -F.softplus(draw(1, 1000, 32)) * 0.5, draw(1, 1000, 32).sigmoid(), draw(1, 32, 128, 128)
-    g[:, list(resets)] = -80.0
-    weights = draw(1, 1000, 32, 128), draw(1, 32, 128, 128)
+    q, k, v = draw(2, 1000, 16, 128, dtype=torch.bfloat16), draw(2, 1000, 16, 128, dtype=torch.bfloat16), \
+        draw(2, 1000, 32, 128, dtype=torch.bfloat16)
+    g, beta, state = -F.softplus(draw(2, 1000, 32)) * 0.5, draw(2, 1000, 32).sigmoid(), draw(2, 32, 128, 128)
+    starts = None if resets is None else starts_at(resets, 1000, "cuda")
+    weights = draw(2, 1000, 32, 128), draw(2, 32, 128, 128)
     assert rule.uses_fla("cuda")
     results = []
     for fast in (rule.FAST_RULES["cuda"], None):   # None: the reference, on the same values in fp32
         monkeypatch.setitem(rule.FAST_RULES, "cuda", fast)
-        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, g, beta, state)]
-        out, final = gated_delta(*leaves if fast else (*(t.float() for t in leaves[:3]), *leaves[3:]), scale=128 ** -0.5)
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, g, beta, state)][:6 if initial else 5]
+        inputs = leaves[:3] if fast else [t.float() for t in leaves[:3]]
+        out, final = gated_delta(*inputs, *leaves[3:5], leaves[5] if initial else None, 128 ** -0.5, starts)
         ((out.float() * weights[0]).sum() + (final * weights[1]).sum()).backward()
         results.append([out, final, *(t.grad for t in leaves)])
     for ours, reference in zip(*results):

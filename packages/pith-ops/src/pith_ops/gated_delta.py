@@ -3,11 +3,13 @@
 
     S_t = exp(g_t) S_{t-1} + k_t u_t^T,   u_t = beta_t (v_t - exp(g_t) S_{t-1}^T k_t),   o_t = S_t^T q_t
 
-g_t <= 0 is the log of the decay, beta_t in (0, 1) the write strength. `gated_delta` is the rule as the model calls
-it (q and k normalized here): on a GPU the chunked Triton kernels of the fla-core package when it is installed,
-otherwise `chunked_gated_delta`, the torch reference the CPU runs and autograd differentiates: within a chunk of C
-tokens the u_t solve one unit lower-triangular system, so a chunk is a few matrix products instead of C
-sequential steps. `recurrent_gated_delta` is the plain loop over tokens, the reference's own reference.
+g_t <= 0 is the log of the decay, beta_t in (0, 1) the write strength. A reset (`starts`, True where a token starts
+a document) drops the state before its token: S_{t-1} = 0 there, exactly, whatever g_t. `gated_delta` is the rule as
+the model calls it (q and k normalized here): on a GPU the chunked Triton kernels of the fla-core package when it is
+installed (resets as the starts of its variable-length sequences), otherwise `chunked_gated_delta`, the torch
+reference the CPU runs and autograd differentiates: within a chunk of C tokens the u_t solve one unit
+lower-triangular system, so a chunk is a few matrix products instead of C sequential steps. `recurrent_gated_delta`
+is the plain loop over tokens, the reference's own reference.
 """
 import importlib.util
 import warnings
@@ -72,20 +74,44 @@ def fla_refuses_this_triton() -> bool:
 uses_fla._dynamo_marked_constant = True
 
 
-def gated_delta(q, k, v, g, beta, state, scale: float):
+def gated_delta(q, k, v, g, beta, state, scale: float, starts=None):
     """q, k [batch, seq, k_heads, d_k] before normalization, v [batch, seq, v_heads, d_v] with each key head serving
     v_heads / k_heads consecutive value heads, g and beta [batch, seq, v_heads], state [batch, v_heads, d_k, d_v]
-    -> (o in v's dtype, the final state). q and k are normalized to unit length and q scaled by scale. fla's kernels
-    take q, k and v as they come (bf16 in training) and keep the state in fp32; the reference computes in fp32
-    (float64 for float64 inputs)."""
+    (None: zeros), starts [batch, seq] bool (None: no resets) -> (o in v's dtype, the final state). q and k are
+    normalized to unit length and q scaled by scale. fla's kernels take q, k and v as they come (bf16 in training)
+    and keep the state in fp32; the reference computes in fp32 (float64 for float64 inputs)."""
     if uses_fla(q.device.type):
+        if starts is not None:
+            return fla_over_documents(FAST_RULES[q.device.type], q, k, v, g, beta, state, scale, starts)
         return FAST_RULES[q.device.type](q, k, v, g, beta, scale=scale, initial_state=state,
                                          output_final_state=True, use_qk_l2norm_in_kernel=True)
     wide = torch.promote_types(v.dtype, torch.float32)
     repeat = v.shape[2] // k.shape[2]
     q, k = (unit_length(t.to(wide)).repeat_interleave(repeat, dim=2) for t in (q, k))
-    out, state = chunked_gated_delta(q * scale, k, v.to(wide), g.to(wide), beta.to(wide), state)
+    out, state = chunked_gated_delta(q * scale, k, v.to(wide), g.to(wide), beta.to(wide), state, starts)
     return out.to(v.dtype), state
+
+
+def fla_over_documents(rule, q, k, v, g, beta, state, scale: float, starts):
+    """gated_delta on fla's kernels with resets: the rows flattened into one sequence cut at every row's start and
+    every reset, each piece a sequence of fla's variable-length call (cu_seqlens), which starts it from its own
+    initial state; a row's first piece from the row's state (zeros where a reset opens the row, and no state
+    tensor at all for a state of None, which fla would otherwise keep for its backward, one per piece), the others
+    from zeros. A row's final state is its last piece's."""
+    batch, seq = starts.shape
+    opens = starts.clone()
+    opens[:, 0] = True
+    pieces = opens.sum(1)
+    ends = pieces.cumsum(0)   # the number of pieces up to each row's end
+    cu_seqlens = F.pad(opens.flatten().nonzero().flatten(), (0, 1), value=batch * seq)   # int64, as fla documents
+    initial = None
+    if state is not None:
+        kept = torch.where(starts[:, 0, None, None, None], 0.0, state)
+        initial = state.new_zeros(len(cu_seqlens) - 1, *state.shape[1:]).index_copy(0, ends - pieces, kept)
+    flat = (t.reshape(1, batch * seq, *t.shape[2:]) for t in (q, k, v, g, beta))
+    out, final = rule(*flat, scale=scale, initial_state=initial, output_final_state=True,
+                      use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens)
+    return out.view(batch, seq, *out.shape[2:]), final[ends - 1]
 
 
 def gated_delta_from_unknown_state(q, k, v, g, beta, scale: float):
@@ -102,42 +128,53 @@ def gated_delta_from_unknown_state(q, k, v, g, beta, scale: float):
     return out.split([d_v, d_k], dim=-1), final
 
 
-def recurrent_gated_delta(q, k, v, g, beta, state=None):
+def recurrent_gated_delta(q, k, v, g, beta, state=None, starts=None):
     """q, k [batch, seq, heads, d_k], v [batch, seq, heads, d_v], g and beta [batch, seq, heads], state [batch,
-    heads, d_k, d_v] (default zeros) -> (o [batch, seq, heads, d_v], the final state)."""
+    heads, d_k, d_v] (default zeros), starts [batch, seq] bool (default None: no resets; the state is zeroed before
+    each token marked True) -> (o [batch, seq, heads, d_v], the final state)."""
     batch, seq, heads, d_k = k.shape
     state = q.new_zeros(batch, heads, d_k, v.shape[-1]) if state is None else state
+    decays = g.exp() if starts is None else g.exp().masked_fill(starts[..., None], 0.0)
     outputs = []
     for t in range(seq):
-        state = state * g[:, t, :, None, None].exp()
+        state = state * decays[:, t, :, None, None]
         u = beta[:, t, :, None] * (v[:, t] - torch.einsum("bhkv,bhk->bhv", state, k[:, t]))
         state = state + k[:, t, :, :, None] * u[:, :, None, :]
         outputs.append(torch.einsum("bhkv,bhk->bhv", state, q[:, t]))
     return torch.stack(outputs, 1), state
 
 
-def chunked_gated_delta(q, k, v, g, beta, state=None, chunk: int = 64):
+def chunked_gated_delta(q, k, v, g, beta, state=None, starts=None, chunk: int = 64):
     """recurrent_gated_delta's result, a chunk at a time. With G_i the cumulative log-decay from the chunk's start
     and S the state entering it: (I + A) U = beta (V - e^G K S), A_ij = beta_i e^(G_i - G_j) k_i.k_j for j < i;
-    O = e^G Q S + (e^(G_i - G_j) q_i.k_j, j <= i) U; the state leaving it e^(G_C) S + (e^(G_C - G) K)^T U."""
+    O = e^G Q S + (e^(G_i - G_j) q_i.k_j, j <= i) U; the state leaving it e^(G_C) S + (e^(G_C - G) K)^T U.
+    Resets cut a chunk into segments, s_i the number of resets up to token i: token i reads token j's write only
+    when s_i = s_j, the entering state only when s_i = 0; the leaving state takes token j's write only when
+    s_j = s_C, the entering state only when s_C = 0. A reset's g is left out of G (it decays only the dropped
+    state): a large negative g there would cost G the precision of its small terms."""
     batch, seq, heads, d_k = k.shape
-    pad = -seq % chunk   # padded tokens: no decay (g 0) and no write (beta 0) leave the state as it was
+    pad = -seq % chunk   # padded tokens: no decay (g 0), no write (beta 0), no reset leave the state as it was
+    starts = torch.zeros(batch, seq, dtype=torch.bool, device=q.device) if starts is None else starts
     q, k, v = (F.pad(x.transpose(1, 2), (0, 0, 0, pad)) for x in (q, k, v))   # [batch, heads, seq, dim]
-    g, beta = (F.pad(x.transpose(1, 2), (0, pad)) for x in (g, beta))
+    g, beta = (F.pad(x.transpose(1, 2), (0, pad)) for x in (g.masked_fill(starts[..., None], 0.0), beta))
+    resets = F.pad(starts, (0, pad))[:, None].long()   # [batch, 1, seq], broadcast over heads
     state = q.new_zeros(batch, heads, d_k, v.shape[-1]) if state is None else state
     causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    eye = torch.eye(chunk, dtype=q.dtype, device=q.device)
     outputs = []
     for start in range(0, seq + pad, chunk):
         part = slice(start, start + chunk)
         qc, kc, vc, bc = q[:, :, part], k[:, :, part], v[:, :, part], beta[:, :, part, None]
-        decay = g[:, :, part].cumsum(-1)
-        # e^(G_i - G_j) below and on the diagonal only: above it the exponent is >= 0 and could overflow
-        relative = (decay[..., :, None] - decay[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+        decay, segment = g[:, :, part].cumsum(-1), resets[..., part].cumsum(-1)
+        # e^(G_i - G_j) where token i reads token j's write: on and below the diagonal (above it the exponent is
+        # >= 0 and could overflow) and within a segment (a reset between them dropped the write)
+        same = causal & (segment[..., :, None] == segment[..., None, :])
+        relative = (decay[..., :, None] - decay[..., None, :]).masked_fill(~same, float("-inf")).exp()
+        entered = decay.masked_fill(segment != 0, float("-inf")).exp()[..., None]   # e^G_i where S reaches token i
         lower = (bc * kc @ kc.transpose(-1, -2) * relative).tril(-1)
-        eye = torch.eye(chunk, dtype=q.dtype, device=q.device)
-        target = bc * (vc - decay.exp()[..., None] * (kc @ state))
+        target = bc * (vc - entered * (kc @ state))
         u = torch.linalg.solve_triangular(eye + lower, target, upper=False, unitriangular=True)
-        outputs.append(decay.exp()[..., None] * (qc @ state) + (qc @ kc.transpose(-1, -2) * relative) @ u)
-        last = decay[..., -1:]
-        state = last.exp()[..., None] * state + ((last - decay).exp()[..., None] * kc).transpose(-1, -2) @ u
+        outputs.append(entered * (qc @ state) + (qc @ kc.transpose(-1, -2) * relative) @ u)
+        kept = (decay[..., -1:] - decay).masked_fill(segment != segment[..., -1:], float("-inf")).exp()[..., None]
+        state = entered[..., -1:, :] * state + (kept * kc).transpose(-1, -2) @ u
     return torch.cat(outputs, 2)[:, :, :seq].transpose(1, 2), state

@@ -144,8 +144,8 @@ class GatedDeltaNet(nn.Module):
         if self.ring is not None and docs is None:   # (the app refuses --doc-mask with --cp)
             return self.zigzag_forward(x)
         q, k, v, g, beta = self.rule_inputs(x, self.in_proj_qkv(x).transpose(1, 2), docs=docs)
-        state = g.new_zeros(x.shape[0], self.v_heads, self.k_dim, self.v_dim)
-        return self.output(gated_delta(q, k, v, g, beta, state, self.k_dim ** -0.5)[0], x)
+        starts = None if docs is None else document_starts(docs)   # the rule drops the state before these
+        return self.output(gated_delta(q, k, v, g, beta, None, self.k_dim ** -0.5, starts)[0], x)
 
     def zigzag_forward(self, x):
         """Under context parallelism, x this rank's two zigzag chunks: the convolution reads the previous chunk's
@@ -181,8 +181,6 @@ class GatedDeltaNet(nn.Module):
             [self.k_heads * self.k_dim, self.k_heads * self.k_dim, self.v_heads * self.v_dim], dim=-1)
         wide = torch.promote_types(x.dtype, torch.float32)   # the decay and write strength in fp32 (or wider)
         g = -self.A_log.to(wide).exp() * F.softplus(self.in_proj_a(x).to(wide) + self.dt_bias)
-        if docs is not None:   # a document's first token keeps e^-80 (below 1e-34) of the state before it: none
-            g = g.masked_fill(document_starts(docs)[..., None], -80.0)
         heads = (t.view(batch, seq, -1, width) for t, width in zip((q, k, v), (self.k_dim, self.k_dim, self.v_dim)))
         return *heads, g, self.in_proj_b(x).to(wide).sigmoid()
 
