@@ -59,6 +59,23 @@ def test_the_clip_inside_the_fused_step_updates_as_clipping_the_gradients_first(
     assert not torch.allclose(folded[0].weight, two_linears(grad_scale)[0].weight, rtol=0, atol=1e-3)   # it moved
 
 
+def test_the_gradient_norm_is_the_float64_norm_to_float32_rounding_however_the_gradient_is_split():
+    """An LM head's gradient (vocabulary 8192 x hidden 128, from 2048 tokens' cross-entropy) whole, as one process
+    holds it, and in the row quarters that four ranks of a layout hold: the norm the clip divides by is the float64
+    norm within 1e-6 both ways (2.3e-8 now). torch's CPU norm of the whole tensor was 7.4e-5 off, summed over the
+    quarters 3.9e-5: a layout's clipped steps differed from one process's by that (issue 41)."""
+    generator = torch.Generator().manual_seed(0)
+    head = torch.nn.Parameter(torch.randn(8192, 128, generator=generator) * 0.02)
+    hidden = torch.randn(2048, 128, generator=generator)
+    torch.nn.functional.cross_entropy(hidden @ head.T, torch.randint(0, 8192, (2048,), generator=generator)).backward()
+    exact = head.grad.double().norm().item()
+    quarters = [torch.nn.Parameter(torch.empty_like(rows)) for rows in head.grad.chunk(4)]
+    for part, rows in zip(quarters, head.grad.chunk(4)):
+        part.grad = rows
+    for parameters in ([head], quarters):
+        assert abs(grad_norm(parameters).item() - exact) < 1e-6 * exact
+
+
 @pytest.mark.parametrize("use_kernel", [False, True])
 def test_a_learning_rate_given_as_a_tensor_steps_every_group_as_that_lr_in_the_groups(use_kernel):
     """clipped_step's lr (what a CUDA graph of the step reads, a schedule's value copied in before each replay)

@@ -73,9 +73,12 @@ def compare(reference: dict, candidate: dict, tolerance: float) -> bool:
                                    candidate["grad_norm"], gaps["grad_norm"]), 1):
         print(f"{step:>4}  {row[0]:>12.6f}  {row[1]:>12.6f}  {row[2]:>9.2e}  {row[3]:>9.4f}  {row[4]:>9.4f}  {row[5]:>9.2e}")
     worst = {name: max(values, default=math.inf) for name, values in gaps.items()}
+    # step 1 starts from the same weights: the math's own difference, before training amplifies rounding (SKILL.md)
+    first = {name: values[0] if values else math.inf for name, values in gaps.items()}
     passed = len(reference["loss"]) == len(candidate["loss"]) and max(worst.values()) <= tolerance
     print(f"{'PASS' if passed else 'FAIL'}: largest relative difference of the loss {worst['loss']:.2e}, of the "
-          f"gradient norm {worst['grad_norm']:.2e}, over {len(candidate['loss'])} steps; tolerance {tolerance:.0e}")
+          f"gradient norm {worst['grad_norm']:.2e}, over {len(candidate['loss'])} steps (at step 1: "
+          f"{first['loss']:.2e} and {first['grad_norm']:.2e}); tolerance {tolerance:.0e}")
     return passed
 
 
@@ -86,7 +89,8 @@ def main(argv=None):
     side.add_argument("--layout", help="pith-train layout flags (\"--ep 2\", \"--dp 2 --pp 2\") to compare with one "
                       "process")
     parser.add_argument("--tolerance", type=float, default=1e-4, help="largest relative difference of the loss and "
-                        "the gradient norm at any step (default: 1e-4; float32 on CPU across layouts: ~1e-6)")
+                        "the gradient norm at any step (default: 1e-4; float32 on CPU across layouts: ~1e-7 at step "
+                        "1, which later steps can amplify past it: SKILL.md tells rounding from a bug)")
     parser.add_argument("app", nargs=argparse.REMAINDER, help="-- then the pith-train flags of the run")
     own = parser.parse_args(argv)
     app = [flag for flag in own.app if flag != "--"]
