@@ -1,7 +1,7 @@
 """The order of every communication of the real code, recorded on gloo and replayed under NCCL's rules
 (tests/comm_order.py): DualPipeV's pipeline at pp 2, 4 and 8 (2pp, 2pp + 1 and 3pp micro-batches, each pair's
 forward and backward in turns and one after the other; a forward-only pass for evaluation), alone, with expert
-parallelism, with FSDP over data ranks and with context parallelism. A case passes when NCCL would complete every
+parallelism, with FSDP over data ranks (also as 2 replicas: HSDP) and with context parallelism. A case passes when NCCL would complete every
 op of every rank: no cycle of waits, and every collective the same on all members of its group, issued by the same
 pipeline step. Ring attention's own case is in test_context_parallel_models.py."""
 import threading
@@ -86,7 +86,7 @@ def check_pipeline(parallel, count, overlap, recompute="none"):
 
 
 LAYOUTS = {2: [dict(pp=2)],
-           4: [dict(pp=4), dict(pp=2, ep=2), dict(pp=2, dp=2)],
+           4: [dict(pp=4), dict(pp=2, ep=2), dict(pp=2, dp=2), dict(pp=2, dp=2, dp_replicate=2)],
            8: [dict(pp=8), dict(pp=4, ep=2), dict(pp=4, dp=2), dict(pp=2, cp=2, ep=2)]}
 
 

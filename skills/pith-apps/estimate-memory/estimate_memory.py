@@ -5,7 +5,8 @@ copies, FP8 cache, activations and transients, and the peak they add up to.
       --seq-len 4096 --batch-size 64 --micro-batch-size 1 --dp 8 --ep 8 [any other flag of pith-train]
 
 The weights are counted exactly from the model built on the meta device, each rank's part as the app shards it:
-experts split over ep, then over dp x cp (FSDP2), every other weight over dp x cp x ep, a pipeline rank holding its
+experts split over ep, then over dp x cp (FSDP2; under --dp-replicate R, dp / R), every other weight over dp x cp x ep
+(dp / R), a pipeline rank holding its
 two DualPipeV chunks (rank 0 also the embedding, final norm and LM head). Activations are per token, per layer, of
 what the CUDA path keeps for the backward under the run's --recompute (activations_per_token), a cp rank's own
 tokens, times the micro-batches in flight: one without a pipeline, with one the most that the rank's DualPipeV
@@ -155,7 +156,8 @@ def weight_elements(model: torch.nn.Module, layout: dict, compiled: bool) -> dic
     rank keeps (the largest FSDP2 shard, as torch.chunk splits), `gathered` the largest layer unsharded and `root`
     the rest unsharded (what FSDP2 gathers in the compute dtype), `fp8` the elements of each weight --fp8
     quantizes, unsharded (what the FP8 cache is given: the gathered weight)."""
-    dense_shards, expert_shards = layout["dp"] * layout["cp"] * layout["ep"], layout["dp"] * layout["cp"]
+    shards = layout["dp"] // layout.get("dp_replicate", 1)   # under HSDP a weight is sharded within a replica
+    dense_shards, expert_shards = shards * layout["cp"] * layout["ep"], shards * layout["cp"]
     counts = dict(local=0, gathered=0, root=0, fp8=[])
     for layer in model.model.layers.values():
         total = 0
@@ -211,7 +213,7 @@ def estimate(args) -> list[dict]:
     cfg, hf = model_config(args), hf_config_data(args)
     plan = Parallel(args.pp, args.dp, args.cp, args.ep)
     check_layout(args, plan)
-    layout = dict(pp=args.pp, dp=args.dp, cp=args.cp, ep=args.ep)
+    layout = dict(pp=args.pp, dp=args.dp, cp=args.cp, ep=args.ep, dp_replicate=args.dp_replicate)
     device = torch.device(args.device)
     width = compute_dtype(args, device).itemsize
     compiled = args.compile if args.compile is not None else device.type == "cuda" and args.cp == 1

@@ -121,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
                          ("cp", "context (zigzag ring attention)")):
         add(f"--{dim}", type=int, default=1, help=f"The {meaning}-parallel size; the product of the four sizes "
             "must be the number of processes (default: 1).")
+    add("--dp-replicate", type=int, default=1, help="Hybrid sharding (HSDP): the --dp ranks as this many replicas of "
+        "dp / dp-replicate shards each, the weights sharded within a replica (its ranks consecutive: one node under "
+        "torchrun) and the gradients all-reduced across replicas; must divide --dp (default: 1, full sharding).")
     add("--chunk-layers", help="With --pp P: the decoder layers of each of the 2P pipeline chunks, comma-separated "
         "(pipeline rank r holds chunks r and 2P-1-r; default: as even as possible, the spare layers nearest the "
         "turn of the V).")

@@ -147,7 +147,7 @@ def layout(args) -> tuple[Parallel, torch.device]:
         if not dist.is_initialized() and device.index is not None:
             torch.cuda.set_device(device)   # Triton launches, streams and graphs use the current device
         device = torch.device("cuda", torch.cuda.current_device())
-    parallel = Parallel.build(args.pp, args.dp, args.cp, args.ep, device.type)
+    parallel = Parallel.build(args.pp, args.dp, args.cp, args.ep, device.type, args.dp_replicate)
     check_layout(args, parallel)
     return parallel, device
 
@@ -276,7 +276,8 @@ def train_on(args, cfg, parallel: Parallel, device: torch.device, data, folder, 
     progress = make_progress(start, args) if lead else lambda loss, tokens_per_s, held_out: None
     hf_config, peak = hf_config_data(args), args.peak_tflops or peak_tflops(device)
     flops = flops_per_token(hf_config, args.seq_len)   # per token of training, for the MFU
-    saved_meta = dict(run=run_id, config=config_dict(cfg), layout=dict(pp=parallel.pp, dp=parallel.dp, cp=parallel.cp, ep=parallel.ep),
+    saved_meta = dict(run=run_id, config=config_dict(cfg), layout=dict(pp=parallel.pp, dp=parallel.dp, cp=parallel.cp, ep=parallel.ep,
+                                                                       dp_replicate=parallel.dp_replicate),
                       model=args.model, hf_config=hf_config, tokenizer=args.tokenizer, batches=batches)
     export_checkpoint = args.export_hf and parallel.world > 1   # several processes export from the last checkpoint
     with StopSignals() as signals, RunLog(folder.tb, start, lead, args.image_every) as log:
@@ -391,7 +392,7 @@ def gradient_step(args, parallel: Parallel, model, optimizer, input_ids, labels,
             loss += micro_loss.detach()
     if model.wgrad_pairs is not None:
         model.wgrad_pairs.flush()   # an odd micro-batch's expert weight gradients still wait for their pair
-    norm = grad_norm(model.parameters())
+    norm = grad_norm(model.parameters(), parallel)
     clipped_step(optimizer, norm, args.clip, lr)
     optimizer.zero_grad(set_to_none=True)
     return loss, norm

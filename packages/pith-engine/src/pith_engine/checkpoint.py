@@ -49,12 +49,14 @@ class CheckpointError(ValueError):
 
 def expert_entry(stack: torch.Tensor, e: int) -> torch.Tensor:
     """Expert e of a stacked [experts, ...] tensor, aliasing it; FSDP shards the stacks by rows (dim 1), so
-    the slice of a shard is a row shard of that expert's matrix."""
+    the slice of a shard is a row shard of that expert's matrix (and, under HSDP, replicated across replicas as
+    the stack is)."""
     if not isinstance(stack, DTensor):
         return stack[e]
     shape = stack.shape[1:]
     stride = torch.empty(shape, device="meta").stride()
-    return DTensor.from_local(stack.to_local()[e], stack.device_mesh, [Shard(0)], run_check=False, shape=shape,
+    placements = [Shard(0) if isinstance(p, Shard) else p for p in stack.placements]
+    return DTensor.from_local(stack.to_local()[e], stack.device_mesh, placements, run_check=False, shape=shape,
                               stride=stride)
 
 

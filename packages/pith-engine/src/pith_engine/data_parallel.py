@@ -11,7 +11,9 @@ weight over dp x cp x ep (expert-parallel ranks read different data, so they are
 weights). Parameters stay fp32 (the master copy the optimizer updates); compute runs in `param_dtype`;
 gradients are reduced in fp32 as a sum, not a mean, because each rank's loss is already divided by the
 global token count. After sharding, every parameter element lives on exactly one rank (per pipeline
-stage), which is what makes the clip's all-reduced sum of squares exact.
+stage), which is what makes the clip's all-reduced sum of squares exact. Under HSDP (Parallel.dp_replicate R) each
+is sharded the same way within each of R replicas and its gradient all-reduced across them: the norm then sums
+over one replica.
 """
 import weakref
 
@@ -43,7 +45,7 @@ def shard_model(model: MoeModel, parallel: Parallel, param_dtype: torch.dtype | 
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # DTensor: ~0.7 s to import
     from torch.distributed.tensor import Shard
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    expert_mesh, dense_mesh = parallel.mesh_over("dp", "cp"), parallel.mesh_over("dp", "cp", "ep")
+    expert_mesh, dense_mesh = parallel.shard_mesh("dp", "cp"), parallel.shard_mesh("dp", "cp", "ep")
     for layer in model.layers.values():
         if layer.is_moe:   # rows (dim 1), so that each expert's slice of the stack is itself a row shard
             fully_shard(layer.experts, mesh=expert_mesh, mp_policy=policy, shard_placement_fn=lambda p: Shard(1))
@@ -265,27 +267,30 @@ def this_ranks_part(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def grad_norm(parameters) -> torch.Tensor:
-    """The global L2 norm of the gradients: each rank sums the squares of the gradient elements it holds; one
-    all-reduce over the world adds them. Each gradient's norm is taken row by row (its last dimension) and the
-    squares summed by `sum`, which adds pairwise: torch's CPU kernel for one tensor's norm runs its float32
-    accumulators through all the elements (pytorch/pytorch#169237), 3e-4 off on an 8192 x 128 LM head gradient
-    where its rows are exact to 1e-7, and the clip scales every gradient by the norm; so a layout, whose shards
-    are other lengths, took other steps than one process once the clip was active."""
+def grad_norm(parameters, parallel: Parallel | None = None) -> torch.Tensor:
+    """The global L2 norm of the gradients, each element counted once: each rank sums the squares of the gradient
+    elements it holds; one all-reduce over the world adds them (parallel None: whatever group is initialized), or
+    under HSDP over one replica's ranks (`Parallel.norm_group`): the replicas hold the same reduced gradients, so a
+    sum over the world would count each dp_replicate times and give a norm sqrt(dp_replicate) too large.
+    Each gradient's norm is taken row by row (its last dimension) and the squares summed by `sum`, which adds
+    pairwise: torch's CPU kernel for one tensor's norm runs its float32 accumulators through all the elements
+    (pytorch/pytorch#169237), 3e-4 off on an 8192 x 128 LM head gradient where its rows are exact to 1e-7, and the
+    clip scales every gradient by the norm; so a layout, whose shards are other lengths, took other steps than one
+    process once the clip was active."""
     grads = [local_part(p.grad) for p in parameters if p.grad is not None]
     squares = torch.stack([torch.linalg.vector_norm(g, dim=-1, dtype=torch.float32).square().sum()
                            for g in grads]).sum()
-    if dist.is_initialized():
-        dist.all_reduce(squares)
+    if parallel.replica_size > 1 if parallel is not None else dist.is_initialized():
+        dist.all_reduce(squares, group=None if parallel is None else parallel.norm_group())
     return squares.sqrt()
 
 
 @torch.no_grad()
-def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
+def clip_grad_norm(parameters, max_norm: float, parallel: Parallel | None = None) -> torch.Tensor:
     """Scale the gradients so that their global L2 norm is at most max_norm; returns the norm before. (The app
     leaves the scaling to its fused optimizer's step: pith_engine.optim.clipped_step.)"""
     parameters = list(parameters)
-    norm = grad_norm(parameters)
+    norm = grad_norm(parameters, parallel)
     grads = [local_part(p.grad) for p in parameters if p.grad is not None]
     torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0).to(grads[0].dtype))
     return norm

@@ -1,9 +1,12 @@
 """Parallel: how the world's ranks are laid out, as a (pp, dp, cp, ep) device mesh, outer to inner.
 
 Built once by the app and passed down explicitly: the groups of a layout come from it, never from a global (what
-spans the whole world uses the default group: the clip's all-reduce of the norm, checkpoints' rank 0). Rank r sits
-at mesh coordinates (pp, dp, cp, ep) with r = ((pp * DP + dp) * CP + cp) * EP + ep, so expert-parallel
-peers are neighbouring ranks (the all-to-all stays inside a node) and pipeline stages are farthest apart.
+spans the whole world uses the default group: checkpoints' rank 0). Rank r sits at mesh coordinates (pp, dp, cp,
+ep) with r = ((pp * DP + dp) * CP + cp) * EP + ep, so expert-parallel peers are neighbouring ranks (the all-to-all
+stays inside a node) and pipeline stages are farthest apart. With dp_replicate R (HSDP) the data-parallel ranks
+are R replicas of DP / R shards, dp = replica * (DP / R) + shard: a replica's shards, with their cp and ep ranks,
+are consecutive ranks, one node under torchrun's rank order when they number its GPUs, so FSDP's all-gathers and
+reduce-scatters stay inside it and only the replicas' all-reduce of gradients crosses nodes.
 """
 from dataclasses import dataclass, field
 from math import prod
@@ -12,6 +15,11 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 DIMS = ("pp", "dp", "cp", "ep")
+HSDP_DIMS = ("pp", "dr", "ds", "cp", "ep")   # dp as replicas x shards
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 class LayoutError(ValueError):
@@ -26,22 +34,31 @@ class Parallel:
     ep: int = 1
     rank: int = 0
     mesh: DeviceMesh | None = field(default=None, compare=False, repr=False)   # None on one process
+    dp_replicate: int = 1
+    replicas: DeviceMesh | None = field(default=None, compare=False, repr=False)   # (pp, dr, ds, cp, ep), for HSDP
 
     @classmethod
-    def build(cls, pp: int = 1, dp: int = 1, cp: int = 1, ep: int = 1, device_type: str = "cpu") -> "Parallel":
+    def build(cls, pp: int = 1, dp: int = 1, cp: int = 1, ep: int = 1, device_type: str = "cpu",
+              dp_replicate: int = 1) -> "Parallel":
         """The layout of the current process group (one process when torch.distributed is not initialized), with
         its device mesh (gloo on "cpu", NCCL on "cuda", whose device each process must have set)."""
         world = dist.get_world_size() if dist.is_initialized() else 1
-        sizes = dict(pp=pp, dp=dp, cp=cp, ep=ep)
+        sizes = dict(pp=pp, dp=dp, cp=cp, ep=ep, dp_replicate=dp_replicate)
         for name, size in sizes.items():
             if not isinstance(size, int) or size < 1:
-                raise LayoutError(f"--{name}={size!r} must be a positive integer")
+                raise LayoutError(f"--{name.replace('_', '-')}={size!r} must be a positive integer")
+        if dp % dp_replicate:
+            raise LayoutError(f"--dp-replicate {dp_replicate} must divide --dp {dp} (the data-parallel ranks are "
+                              f"replicas of dp / dp-replicate shards); choose one of {divisors(dp)}")
         if pp * dp * cp * ep != world:
             raise LayoutError(f"pp x dp x cp x ep = {pp} x {dp} x {cp} x {ep} = {pp * dp * cp * ep}, but the world has "
                               f"{world} processes; choose sizes whose product is {world}")
         if world == 1:
             return cls(pp, dp, cp, ep)
-        return cls(pp, dp, cp, ep, dist.get_rank(), init_device_mesh(device_type, (pp, dp, cp, ep), mesh_dim_names=DIMS))
+        mesh = init_device_mesh(device_type, (pp, dp, cp, ep), mesh_dim_names=DIMS)
+        replicas = None if dp_replicate == 1 else init_device_mesh(   # the same ranks, dp cut into replicas x shards
+            device_type, (pp, dp_replicate, dp // dp_replicate, cp, ep), mesh_dim_names=HSDP_DIMS)
+        return cls(pp, dp, cp, ep, dist.get_rank(), mesh, dp_replicate, replicas)
 
     @property
     def world(self) -> int:
@@ -68,6 +85,28 @@ class Parallel:
                               "process group (torchrun) to use its groups")
         sub = self.mesh[names]
         return sub._flatten("_".join(names)) if len(names) > 1 else sub
+
+    def shard_mesh(self, *names: str) -> DeviceMesh:
+        """The mesh FSDP shards over for the named dimensions (dp first): them flattened into one (full sharding),
+        or under dp_replicate R a 2-d mesh, R replicas by the rest flattened (HSDP: shard within a replica,
+        all-reduce the gradients across replicas)."""
+        if self.dp_replicate == 1:
+            return self.mesh_over(*names)
+        inner = ("ds", *names[1:])
+        self.replicas[inner]._flatten("_".join(inner))
+        return self.replicas["dr", "_".join(inner)]
+
+    @property
+    def replica_size(self) -> int:
+        """The ranks that hold every gradient element once between them: the world, or under HSDP one replica."""
+        return self.world // self.dp_replicate
+
+    def norm_group(self):
+        """The process group of replica_size ranks this rank is one of (None: the world); for replica_size > 1."""
+        if self.dp_replicate == 1:
+            return None
+        names = tuple(name for name in ("pp", "ds", "cp", "ep") if self.replicas[name].size() > 1)
+        return self.replicas[names]._flatten("_".join(names)).get_group()
 
     def group(self, *names: str):
         """This rank's process group over the named dimensions; None when the group is this rank alone."""
