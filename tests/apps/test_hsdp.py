@@ -2,9 +2,11 @@
 losses and gradient norms, a norm that counts each gradient element once, and resumes between the two."""
 import json
 import math
+import shutil
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import pith_apps.train as train_app
 from distributed import run_on_processes
@@ -29,7 +31,7 @@ def grad_norms(folder) -> list[float]:
 
 def four_process_runs(rank, world, root):
     """HSDP 2 x 2 for 6 steps; 2 replicas of 1 shard beside ep 2; full sharding (dp 4) steps 1-3 resumed by HSDP
-    to 6 and HSDP 1-3 resumed by full sharding; and the norm of one backward summed over one replica and over the
+    to 6 and HSDP 1-3 resumed by full sharding and by 4 replicas of 1 shard (plain replication); and the norm of one backward summed over one replica and over the
     world."""
     hsdp, full = ["--dp", "4", "--dp-replicate", "2"], ["--dp", "4"]
     losses = {"hsdp": train(root / "hsdp", 6, *hsdp),
@@ -37,7 +39,12 @@ def four_process_runs(rank, world, root):
               "full-then-hsdp": train(root / "full-then-hsdp", 3, *full),
               "hsdp-then-full": train(root / "hsdp-then-full", 3, *hsdp)}
     losses["full-then-hsdp"] += train(root / "full-then-hsdp", 6, *hsdp, "--resume")
+    if rank == 0:
+        shutil.copytree(root / "hsdp-then-full", root / "hsdp-then-4-replicas")
+    dist.barrier()
     losses["hsdp-then-full"] += train(root / "hsdp-then-full", 6, *full, "--resume")
+    losses["hsdp-then-4-replicas"] = losses["hsdp-then-full"][:3] + train(
+        root / "hsdp-then-4-replicas", 6, "--dp", "4", "--dp-replicate", "4", "--resume")
     parallel = Parallel.build(dp=4, dp_replicate=2)
     args = train_app.parse_args(RUN)
     model = train_app.build_model(train_app.MODELS["qwen3"][1], train_app.model_config(args), parallel,
@@ -59,7 +66,7 @@ def runs(tmp_path_factory):
     return results
 
 
-@pytest.mark.parametrize("name", ["hsdp", "hsdp-ep2", "full-then-hsdp", "hsdp-then-full"])
+@pytest.mark.parametrize("name", ["hsdp", "hsdp-ep2", "full-then-hsdp", "hsdp-then-full", "hsdp-then-4-replicas"])
 def test_hybrid_sharding_logs_the_one_process_losses_and_gradient_norms(runs, name):
     """Float32 on CPU: losses within 1e-5 of one process's at every step (the same as full sharding, summation
     order only), and so is the clipped gradient norm TensorBoard logs; the resumes run steps 4-6 of the same run."""
