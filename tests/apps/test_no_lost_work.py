@@ -3,6 +3,7 @@ hold non-finite weights; SIGTERM / Ctrl-C finish the step and checkpoint; every 
 failure ends in one line and exit 2."""
 import itertools
 import json
+import math
 import os
 import signal
 import subprocess
@@ -307,6 +308,20 @@ def test_a_killed_runs_lock_does_not_block_the_next(tmp_path):
     first.kill()
     first.wait()
     assert len(run(tmp_path, "--steps", "3", "--resume")) <= 2
+
+
+def test_a_file_system_without_locks_is_named_and_the_run_goes_on(tmp_path, monkeypatch):
+    """flock failing as on a shared file system mounted without it (ENOSYS): one warning naming --out and what is
+    not kept apart, and the run trains its 2 steps and saves (its loss finite)."""
+    def no_locks(*args):
+        raise OSError(38, "Function not implemented")
+    monkeypatch.setattr(run_folder, "fcntl", SimpleNamespace(flock=no_locks, LOCK_EX=2, LOCK_NB=4))
+    with pytest.warns(UserWarning, match=rf"--out {tmp_path} takes no file lock \(Function not implemented\): a second "
+                      "run started on it would not be refused"):
+        losses = train_app.train(train_app.parse_args(["qwen3", "--steps", "2", "--batch-size", "2", "--seq-len", "16",
+                                                       "--out", str(tmp_path), "--quiet", "--device", "cpu"]))
+    assert len(losses) == 2 and all(math.isfinite(loss) for loss in losses)
+    assert checkpoint.latest(tmp_path / "checkpoints").name == "step-00000002"
 
 
 def stop_during(step_to_signal, sig):

@@ -278,3 +278,21 @@ def test_a_latest_file_that_names_no_checkpoint_is_an_error(tmp_path):
     (tmp_path / "latest").write_bytes(b"\x00\xffgarbage")
     with pytest.raises(checkpoint.CheckpointError, match=r"latest' names '.*', not a checkpoint folder"):
         checkpoint.latest(tmp_path)
+
+
+def node_local_folders(rank, world, root):
+    """Each rank saves to a folder of its own, as ranks on two nodes each see their own disk at one --out path."""
+    model, optimizer = stepped_linear()
+    with pytest.raises(checkpoint.CheckpointError, match=r"could not write checkpoint '.*step-00000001' \("
+                       r"FileNotFoundError: rank 1's file __1_0\.distcp is not in .* as rank 0 sees it: --out must "
+                       r"be one folder that every node sees"):
+        checkpoint.save(root / f"node-{rank}", 1, model, optimizer, {"run": "r"})
+
+
+def test_an_out_that_is_not_one_folder_for_every_rank_fails_the_save_on_every_rank(tmp_path):
+    """Each rank sums the files it wrote, and rank 0 seals a checkpoint only if it sees them all: on node-local
+    folders the first save fails on both ranks, no step folder is left on either, and nothing names a latest (a
+    checkpoint sealed from rank 0's files alone had looked whole and failed at the resume)."""
+    run_on_processes(2, node_local_folders, tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["node-0", "node-1"]
+    assert [list(folder.iterdir()) for folder in sorted(tmp_path.iterdir())] == [[], []]

@@ -38,7 +38,8 @@ ELSEWHERE = {
     "--batch-size 64 --pp 8 --micro-batch-size 1 --out runs/qwen3-30b": "8 GPUs",
     "hatch run apps:torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 --rdzv-id "
     "qwen3-30b -m pith_apps.train qwen3 --preset 30b-a3b --seq-len 4096 --batch-size 64 --pp 16 --micro-batch-size 1 "
-    "--out runs/qwen3-30b": "2 nodes of 8 GPUs",
+    "--out runs/qwen3-30b": "2 nodes of 8 GPUs; tests/apps/test_multinode.py runs its torchrun options on 2 CPU nodes of "
+                            "one process on localhost, and slurm.sh's dry run gives it on every node",
     "hatch run apps:torchrun --nproc-per-node 8 -m pith_apps.train qwen3 --preset 30b-a3b --device cuda --seq-len 4096 "
     "--batch-size 64 --pp 4 --ep 2 --micro-batch-size 1 --recompute full": "8 GPUs (plan-layout's output)",
 }

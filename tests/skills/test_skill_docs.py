@@ -17,7 +17,7 @@ MODULE_ROOTS = {"pith_ops/": "packages/pith-ops/src/", "pith_engine/": "packages
 # other tools' flags a skill may show: torchrun's, tensorboard's, pytest's and pip's
 PLACEHOLDER = re.compile(r"(?<![A-Za-z])(NAME|FAMILY|DIR|OUT|PATH|FILE|STEP|N)(?![a-z])")   # stands for the reader's
 TOOL_FLAGS = {"--nproc-per-node", "--nnodes", "--node-rank", "--master-addr", "--master-port", "--rdzv-backend",
-              "--rdzv-endpoint", "--rdzv-id", "--logdir", "--no-deps", "--shutdown-timeout"}
+              "--rdzv-endpoint", "--rdzv-id", "--logdir", "--no-deps", "--shutdown-timeout", "--nodes"}
 
 
 def code_of(text: str) -> list[str]:

@@ -15,6 +15,7 @@ import shutil
 import socket
 import time
 import uuid
+import warnings
 from pathlib import Path
 
 from pith_apps.config import ConfigError, require, write_problem
@@ -152,6 +153,9 @@ class RunFolder:
             lock_file.close()
             raise ConfigError(f"--out {self.out} is in use by the run of {holder}; wait for it to end or choose "
                               "another --out") from None
+        except OSError as err:   # a file system without flock (some shared ones): run, but say what is not kept
+            warnings.warn(f"--out {self.out} takes no file lock ({err.strerror}): a second run started on it would not "
+                          "be refused while this one runs")
         self.lock_file = lock_file
         self.lock_file.seek(0)
         self.lock_file.truncate()

@@ -12,8 +12,8 @@ parameters (optimizer.<name>.exp_avg / exp_avg_sq); the step counter, the aux-fr
 global RNG state (one, as DCP keeps one copy of a plain tensor: every rank gets rank 0's back; the app draws
 from explicit generators) ride along, and meta.json holds what is not a tensor.
 
-A save writes step-N.tmp/, then rank 0 records the size and CRC-32 of every file in meta.json (and meta.json's
-own), renames the folder to step-N/ and points the `latest` file at it (each rename one atomic step): a crash
+A save writes step-N.tmp/, then each rank sums the size and CRC-32 of the files it wrote, rank 0 checks that it sees
+them all (--out must be one folder for every node) and records them in meta.json (and meta.json's own), renames the folder to step-N/ and points the `latest` file at it (each rename one atomic step): a crash
 midway leaves the previous checkpoint untouched and `latest` naming it. A load first checks every file against
 meta.json, and meta.json against its checksum and its step against the folder's name, so a truncated, missing
 or altered file stops it with CheckpointError instead of loading changed weights.
@@ -131,17 +131,16 @@ def save(directory: str | Path, step: int, model: MoeModel, optimizer, meta: dic
     def write():
         with single_process_is_meant():
             dcp.save(training_state(model, optimizer), checkpoint_id=tmp)   # returns once every rank has written
+        files = checksums_of_all(tmp)
         if is_writer():
-            files = checksums(tmp)
             write_atomic(tmp / "meta.json", sealed(meta | dict(step=step, saved_at=time.time(), files=files)))
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
             write_atomic(directory / "latest", final.name)
     problem = agreed(failure_of(start) if is_writer() else None)
     problem = problem or agreed(failure_of(write))
-    if problem:
-        if is_writer():   # what was written of it: its space is free again, as the message says
-            shutil.rmtree(tmp, ignore_errors=True)
+    if problem:   # what was written of it, by every rank (on a folder not shared, each its own): space free again
+        shutil.rmtree(tmp, ignore_errors=True)
         free = shutil.disk_usage(directory).free / 1e9 if directory.is_dir() else float("nan")
         raise CheckpointError(f"could not write checkpoint '{final}' ({problem}; {free:.1f} GB free there); "
                               f"the last good checkpoint is {latest_name(directory)}")
@@ -187,12 +186,39 @@ def crc32_of(path: Path) -> int:
     return crc
 
 
-def checksums(folder: Path) -> dict[str, list[int]]:
-    """{file name: [bytes, CRC-32]} of every file in folder but meta.json."""
-    files = sorted(p for p in folder.iterdir() if p.is_file() and p.name != "meta.json")
+def checksums(files: list[Path]) -> dict[str, list[int]]:
+    """{file name: [bytes, CRC-32]} of the files."""
     with ThreadPoolExecutor(8) as pool:
         crcs = list(pool.map(crc32_of, files))
     return {p.name: [p.stat().st_size, crc] for p, crc in zip(files, crcs)}
+
+
+def checksums_of_all(folder: Path) -> dict[str, list[int]]:
+    """checksums() of every file DCP wrote into folder, for rank 0 (the others get {}): each rank sums its own
+    (DCP names them __<rank>_<n>.distcp; rank 0 also the rest, .metadata), so the reading is split like the
+    writing. Raises FileNotFoundError where rank 0 does not see another rank's file as that rank wrote it: --out
+    is not one folder for every node, and a checkpoint sealed from rank 0's view alone would not load."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    own = sorted(p for p in folder.iterdir() if p.is_file() and p.name != "meta.json" and (
+        p.name.startswith(f"__{rank}_") or rank == 0 and not re.match(r"__\d+_", p.name)))
+    try:
+        mine = checksums(own)
+    except OSError as err:   # sent to rank 0 like the sums: no rank stops before the gather the others wait in
+        mine = (err.errno, err.strerror)
+    parts = [mine]
+    if dist.is_initialized():
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, mine)
+    if rank != 0:
+        return {}
+    for other, files in enumerate(parts):
+        if isinstance(files, tuple):
+            raise OSError(*files)
+        for name, (size, _) in files.items():
+            if not (folder / name).is_file() or (folder / name).stat().st_size != size:
+                raise FileNotFoundError(f"rank {other}'s file {name} is not in {folder} as rank 0 sees it: --out "
+                                        "must be one folder that every node sees (a shared file system)")
+    return {name: value for files in parts for name, value in sorted(files.items())}
 
 
 def saved_checkpoints(directory: str | Path) -> list[tuple[Path, dict]]:
@@ -340,7 +366,8 @@ def save_weights(folder: str | Path, model: MoeModel, meta: dict) -> Path:
     tmp.mkdir(parents=True)
     with single_process_is_meant():
         dcp.save(weights_state(model), checkpoint_id=tmp, no_dist=True)
-    write_atomic(tmp / "meta.json", sealed(meta | dict(saved_at=time.time(), files=checksums(tmp))))
+    files = sorted(p for p in tmp.iterdir() if p.is_file())
+    write_atomic(tmp / "meta.json", sealed(meta | dict(saved_at=time.time(), files=checksums(files))))
     shutil.rmtree(folder, ignore_errors=True)
     os.replace(tmp, folder)
     return folder
