@@ -32,10 +32,11 @@ PRESETS = Path(__file__).parent / "presets"
 # own (--init's), that folder's generation settings
 TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+OPTIMIZERS = ("adamw", "muon")
 
 
-DESCRIPTION = ("Train a Qwen3-MoE, DeepSeek-V2, GPT-OSS or Qwen3.5-MoE model on a text dataset with AdamW, showing a progress "
-               "bar, logging to TensorBoard and checkpointing so that --resume continues the run.")
+DESCRIPTION = ("Train a Qwen3-MoE, DeepSeek-V2, GPT-OSS or Qwen3.5-MoE model on a text dataset with AdamW or Muon, showing "
+               "a progress bar, logging to TensorBoard and checkpointing so that --resume continues the run.")
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -84,12 +85,26 @@ def build_parser() -> argparse.ArgumentParser:
     add("--micro-batch-size", type=int, help="Sequences per forward and backward on each data rank; the gradients "
         "of batch-size / (micro-batch-size x data ranks) micro-batches are accumulated (default: one micro-batch).")
     add("--seq-len", type=int, default=128, help="Tokens per training sequence (default: 128).")
-    add("--lr", type=float, default=3e-3, help="The peak learning rate of AdamW (default: 0.003).")
+    add("--lr", type=float, default=3e-3, help="The peak learning rate, of AdamW and of Muon alike (default: 0.003).")
     add("--warmup", type=int, default=30, help="Steps of linear learning-rate warmup (default: 30).")
     add("--schedule", default="cosine", help=f"The learning-rate schedule after warmup: {', '.join(SCHEDULES)} "
         "(default: cosine).")
-    add("--weight-decay", type=float, default=0.1, help="AdamW weight decay of the matrices; norms and biases have "
-        "none (default: 0.1).")
+    add("--weight-decay", type=float, default=0.1, help="Decoupled weight decay of the matrices (AdamW's and Muon's); "
+        "norms and biases have none (default: 0.1).")
+    add("--optimizer", choices=OPTIMIZERS, default="adamw", help="adamw: AdamW for every parameter. muon: Muon for the "
+        "decoder layers' hidden matrices (attention and MLA projections, dense and shared-expert MLPs, each routed "
+        "expert's own matrices): momentum, then each matrix's update orthogonalized by Newton-Schulz iterations and "
+        "scaled by 0.2 x sqrt(max(rows, columns)) to the RMS of an AdamW update, so that one --lr and --weight-decay "
+        "serve both; AdamW for the rest (embeddings, LM head, norms, biases, routers and gates, sinks, Qwen3.5's 1-d "
+        "and convolution parameters). A sharded matrix is orthogonalized whole, each by one rank of its shard group "
+        "(default: adamw).")
+    add("--muon-momentum", type=float, default=0.95, help="With --optimizer muon: the momentum of its matrices' "
+        "gradients, in [0, 1) (default: 0.95).")
+    add("--nesterov", action=argparse.BooleanOptionalAction, default=True, help="With --optimizer muon: orthogonalize "
+        "the Nesterov update (the gradient plus momentum x the momentum buffer) rather than the buffer itself "
+        "(default: on; --no-nesterov).")
+    add("--ns-steps", type=int, default=5, help="With --optimizer muon: Newton-Schulz iterations per matrix and step, "
+        "in bf16 on CUDA, fp32 on CPU (default: 5).")
     add("--clip", type=float, default=1.0, help="The global gradient norm is clipped to this (default: 1.0).")
     add("--seed", type=int, default=0, help="Seeds the initial weights and the order of the data (default: 0).")
     add("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="The device to train on: cpu, cuda "
@@ -217,13 +232,15 @@ def check_args(args):
     require(not (args.overwrite and (args.resume or args.resume_from)),
             "--overwrite starts the run over; it cannot go with --resume or --resume-from")
     for flag in ("steps", "batch_size", "seq_len", "micro_batch_size", "layers", "data_workers", "eval_batches",
-                 "image_every"):
+                 "image_every", "ns_steps"):
         value = getattr(args, flag)
         require(value is None or value > 0, f"--{flag.replace('_', '-')}={value} must be a positive integer")
     for flag, positive in (("lr", True), ("clip", True), ("warmup", False), ("weight_decay", False)):
         value = getattr(args, flag)
         require(math.isfinite(value) and (value > 0 if positive else value >= 0), f"--{flag.replace('_', '-')}={value} "
                 f"must be a finite number {'> 0' if positive else '>= 0'}")
+    require(math.isfinite(args.muon_momentum) and 0 <= args.muon_momentum < 1,
+            f"--muon-momentum={args.muon_momentum} must be in [0, 1)")
     require(not (args.resume and args.resume_from), "--resume continues from the newest checkpoint, --resume-from "
             "from the one it names: give one of them")
     require(args.out != "", "--out is empty; give the run's folder, or leave --out out for runs/<model>-<preset>")

@@ -3,7 +3,7 @@ processes `torchrun --nproc-per-node N -m pith_apps.train qwen3 --ep 2 ...` with
 
 Reads a model config (a preset or a config.json), builds the model for this rank's share of the layout,
 streams batches from a text dataset (each data rank reads its share of every global batch), and trains
-with AdamW, showing a progress bar, writing TensorBoard scalars to <out>/tb and atomic distributed
+with AdamW or Muon, showing a progress bar, writing TensorBoard scalars to <out>/tb and atomic distributed
 checkpoints to <out>/checkpoints that --resume continues from, under the same or another layout.
 """
 import dataclasses
@@ -23,7 +23,7 @@ import torch.distributed as dist
 from pith_apps.config import ConfigError, flops_per_token, read_json, require
 from pith_apps.data import (ByteTokenizer, HFTokenizer, batch_at, document_ids, held_out_batch, split_held_out,
                             token_store)
-from pith_apps.models.layers import use_fp8
+from pith_apps.models.layers import hidden_matrices, use_fp8
 from pith_apps.options import (DTYPES, MODELS, check_args, hf_config_data, init_checkpoint, model_config,
                                parse_args, run_config_text)
 from pith_apps.run_log import RunLog, make_progress, peak_tflops
@@ -36,6 +36,7 @@ from pith_engine.dualpipev import Pipeline, chunk_layers, held_layers, schedule
 from pith_engine.data_parallel import (drop_compute_copies, grad_norm, local_part, pair_expert_wgrads,
                                        release_forward_weights, shard_model)
 from pith_engine.moe import update_expert_bias
+from pith_engine.muon import muon
 from pith_engine.optim import adamw, clipped_step, lr_at
 from pith_engine.parallel import LayoutError, Parallel
 from pith_engine.recompute import recompute_stages
@@ -218,12 +219,13 @@ def micro_batches_per_rank(args, parallel: Parallel) -> int:
 
 def prepare_step(args, parallel: Parallel, device: torch.device, model) -> tuple:
     """What a built model needs before its first step: what it recomputes (--recompute), its dense stages compiled
-    (--compile; by default on CUDA without context parallelism), AdamW, the FP8 weight cache under --fp8 and the
+    (--compile; by default on CUDA without context parallelism), the optimizer (--optimizer), the FP8 weight cache under --fp8 and the
     step's CUDA graph (step_graph); -> (optimizer, graph or None)."""
     recompute_stages(model, args.recompute)   # before the compile, which then compiles the recomputed stages
     if args.compile if args.compile is not None else device.type == "cuda" and parallel.cp == 1:
         compile_stages(model)
-    optimizer = adamw(model, args.lr, args.weight_decay)
+    optimizer = muon(model, hidden_matrices(model), args.lr, args.weight_decay, args.muon_momentum, args.nesterov,
+                     args.ns_steps) if args.optimizer == "muon" else adamw(model, args.lr, args.weight_decay)
     if args.fp8:
         use_fp8(model, Fp8WeightCache(keep=not parallel.sharded).watch(optimizer))   # FSDP2 gathers each use anew
     return optimizer, step_graph(args, parallel, device, model, optimizer)
@@ -278,7 +280,8 @@ def train_on(args, cfg, parallel: Parallel, device: torch.device, data, folder, 
     flops = flops_per_token(hf_config, args.seq_len)   # per token of training, for the MFU
     saved_meta = dict(run=run_id, config=config_dict(cfg), layout=dict(pp=parallel.pp, dp=parallel.dp, cp=parallel.cp, ep=parallel.ep,
                                                                        dp_replicate=parallel.dp_replicate),
-                      model=args.model, hf_config=hf_config, tokenizer=args.tokenizer, batches=batches)
+                      model=args.model, hf_config=hf_config, tokenizer=args.tokenizer, batches=batches,
+                      optimizer=args.optimizer)
     export_checkpoint = args.export_hf and parallel.world > 1   # several processes export from the last checkpoint
     with StopSignals() as signals, RunLog(folder.tb, start, lead, args.image_every) as log:
         for step in range(start, args.steps):
@@ -494,7 +497,7 @@ def export_hf(args, parallel: Parallel, model, dtype: torch.dtype, last_checkpoi
 
 
 def checkpoint_bytes(model, parallel: Parallel) -> int:
-    """About what one checkpoint takes: the fp32 weights and AdamW's two moments of every rank."""
+    """About what one checkpoint takes: the fp32 weights and AdamW's two moments of every rank (Muon keeps one)."""
     size = torch.tensor(sum(local_part(p).numel() * 4 * 3 for p in model.parameters()), dtype=torch.float64)
     if parallel.world > 1:
         dist.all_reduce(size)
@@ -547,6 +550,9 @@ def restore(path: Path, model, optimizer, cfg, batches: dict, folder, parallel: 
                    if name in saved and saved[name] != value]
         require(not changed, f"checkpoint '{path}' was trained with {', '.join(changed)}: resume with its values, "
                 f"or start a new run from its weights: --init {path} (and another --out)")
+        kind = type(optimizer).__name__.lower()   # AdamW or Muon: the state the checkpoint must hold
+        require(meta.get("optimizer", "adamw") == kind, f"checkpoint '{path}' was trained with --optimizer "
+                f"{meta.get('optimizer')}, not {kind}: resume with it, or start a new run from its weights: --init {path}")
         meta = checkpoint.load(path, model, optimizer)
         trained = int(next(iter(optimizer.state.values()))["step"])   # AdamW counts the steps the run took
         if trained != meta["step"]:

@@ -6,9 +6,10 @@ Entries carry the model's own parameter names, which outside the experts are the
 global id with our stacked parameter's leaf name, model.layers.N.mlp.experts.E.gate_up_proj / down_proj
 (GPT-OSS also .._bias): neither the Hugging Face files' names nor transformers' (for those, load into a model
 and export with pith_apps.hf_checkpoint.save_hf). No name has a parallel prefix. Every tensor is fp32 (master
-weights, AdamW state). Each rank hands DCP the tensors it holds, FSDP shards as DTensors, so DCP writes every
-element once and a later load under another layout reads the pieces it needs. The AdamW moments follow their
-parameters (optimizer.<name>.exp_avg / exp_avg_sq); the step counter, the aux-free expert biases and the
+weights, optimizer state). Each rank hands DCP the tensors it holds, FSDP shards as DTensors, so DCP writes every
+element once and a later load under another layout reads the pieces it needs. The optimizer's state tensors follow
+their parameters (AdamW's optimizer.<name>.exp_avg / exp_avg_sq, Muon's optimizer.<name>.momentum_buffer); the step
+counter, the aux-free expert biases and the
 global RNG state (one, as DCP keeps one copy of a plain tensor: every rank gets rank 0's back; the app draws
 from explicit generators) ride along, and meta.json holds what is not a tensor.
 
@@ -74,10 +75,13 @@ def canonical_entries(model: MoeModel, tensors: dict[str, torch.Tensor]):
 
 
 def init_optimizer_state(optimizer: torch.optim.Optimizer):
-    """AdamW's state before its first step, so that a load has tensors to fill."""
+    """The optimizer's state before its first step, so that a load has tensors to fill: as pith's optimizers make it
+    (state_of: AdamW's or Muon's), else AdamW's."""
     for group in optimizer.param_groups:
         for param in group["params"]:
-            if not optimizer.state[param]:
+            if hasattr(optimizer, "state_of"):
+                optimizer.state_of(param)
+            elif not optimizer.state[param]:
                 step_device = param.device if group.get("fused") else "cpu"
                 optimizer.state[param] = dict(step=torch.zeros((), device=step_device),
                                               exp_avg=torch.zeros_like(param), exp_avg_sq=torch.zeros_like(param))
@@ -95,8 +99,9 @@ def training_state(model: MoeModel, optimizer) -> dict[str, torch.Tensor]:
     init_optimizer_state(optimizer)
     params = dict(model.named_parameters())
     state = weights_state(model)
-    for moment in ("exp_avg", "exp_avg_sq"):
-        moments = {name: optimizer.state[param][moment] for name, param in params.items()}
+    for moment in dict.fromkeys(key for param in params.values() for key in optimizer.state[param] if key != "step"):
+        moments = {name: optimizer.state[param][moment] for name, param in params.items()
+                   if moment in optimizer.state[param]}
         state.update((f"optimizer.{name}.{moment}", t) for name, t in canonical_entries(model, moments))
     state["optimizer.step"] = optimizer.state[next(iter(params.values()))]["step"]
     state["rng.cpu"] = torch.get_rng_state()

@@ -44,25 +44,28 @@ class AdamW(torch.optim.AdamW):
         if closure is not None:   # as torch's: the closure computes the gradients this step uses
             with torch.enable_grad():
                 loss = closure()
-        with_grads = [(p, group) for group in self.param_groups for p in group["params"] if p.grad is not None]
+        self.adamw_step(self.param_groups)
+        return loss
+
+    def adamw_step(self, groups: list[dict]):
+        """The AdamW step of these param groups only (Muon steps its own groups, and these through this)."""
+        with_grads = [(p, group) for group in groups for p in group["params"] if p.grad is not None]
         if not with_grads or not (with_grads[0][0].is_cuda if self.use_kernel is None else self.use_kernel):
-            super().step()
-            return loss
+            every, self.param_groups = self.param_groups, groups   # torch's step reads param_groups
+            try:
+                super().step()
+            finally:
+                self.param_groups = every
+            return
         device = with_grads[0][0].device
-        grad_scale = getattr(self, "grad_scale", None)
-        grad_scale = torch.ones((), device=device) if grad_scale is None else grad_scale
-        found_inf = getattr(self, "found_inf", None)
-        found_inf = torch.zeros((), device=device) if found_inf is None else found_inf
+        grad_scale, found_inf = clip_flags(self, device)
         lrs = {id(group): group["lr"] if torch.is_tensor(group["lr"]) else torch.full((), group["lr"], device=device)
-               for group in self.param_groups}
+               for group in groups}
         states = [self.state_of(p) for p, _ in with_grads]
-        steps = [state["step"] for state in states]
-        # a list of 0-dim tensors: the one-tensor overload reads it on the host, which a CUDA graph cannot capture
-        torch._foreach_add_(steps, [1 - found_inf] * len(steps))
+        count_step(states, found_inf)
         for (p, group), state in zip(with_grads, states):
             adamw_update(*(local_part(t) for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"])), state["step"],
                          lrs[id(group)], group["betas"], group["eps"], group["weight_decay"], grad_scale, found_inf)
-        return loss
 
     def state_of(self, param: torch.Tensor) -> dict:
         """The parameter's state, made as torch's fused AdamW makes it on the first step."""
@@ -74,15 +77,32 @@ class AdamW(torch.optim.AdamW):
         return state
 
 
-def adamw(model: torch.nn.Module, lr: float, weight_decay: float, betas=(0.9, 0.95)) -> AdamW:
-    """AdamW with weight decay on matrices only (not norms, biases or 1-d parameters: a stack of experts' biases,
-    GPT-OSS's [E, n], is known by its name); fused (one kernel per tensor on CUDA, torch's fused kernel over every
-    tensor on CPU), as clipped_step needs."""
-    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+def clip_flags(optimizer: torch.optim.Optimizer, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's gradient scale and skip flag as clipped_step set them on the optimizer (1 and 0 where it did not)."""
+    grad_scale, found_inf = getattr(optimizer, "grad_scale", None), getattr(optimizer, "found_inf", None)
+    return (torch.ones((), device=device) if grad_scale is None else grad_scale,
+            torch.zeros((), device=device) if found_inf is None else found_inf)
+
+
+def count_step(states: list[dict], found_inf: torch.Tensor):
+    """Each state's step count + 1, but where found_inf is set."""
+    # a list of 0-dim tensors: the one-tensor overload reads it on the host, which a CUDA graph cannot capture
+    torch._foreach_add_([state["step"] for state in states], [1 - found_inf] * len(states))
+
+
+def decay_groups(named: list[tuple[str, torch.Tensor]], weight_decay: float) -> list[dict]:
+    """AdamW's two param groups of these (name, parameter) pairs: weight decay on matrices only (not norms, biases or
+    1-d parameters: a stack of experts' biases, GPT-OSS's [E, n], is known by its name)."""
     decayed = {name for name, p in named if p.ndim >= 2 and not name.endswith("bias")}
-    groups = [dict(params=[p for name, p in named if name in decayed], weight_decay=weight_decay),
-              dict(params=[p for name, p in named if name not in decayed], weight_decay=0.0)]
-    return AdamW(groups, lr=lr, betas=betas)
+    return [dict(params=[p for name, p in named if name in decayed], weight_decay=weight_decay),
+            dict(params=[p for name, p in named if name not in decayed], weight_decay=0.0)]
+
+
+def adamw(model: torch.nn.Module, lr: float, weight_decay: float, betas=(0.9, 0.95)) -> AdamW:
+    """AdamW with weight decay on matrices only (decay_groups); fused (one kernel per tensor on CUDA, torch's fused
+    kernel over every tensor on CPU), as clipped_step needs."""
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    return AdamW(decay_groups(named, weight_decay), lr=lr, betas=betas)
 
 
 def clipped_step(optimizer: torch.optim.Optimizer, norm: torch.Tensor, max_norm: float, lr: torch.Tensor | None = None):

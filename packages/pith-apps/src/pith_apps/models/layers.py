@@ -242,6 +242,17 @@ def use_fp8(model: nn.Module, cache) -> list[nn.Module]:
     return modules
 
 
+def hidden_matrices(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters --optimizer muon orthogonalizes: the weights of the decoder layers' dense linears (Linear:
+    attention and MLA projections, dense and shared-expert MLPs, Qwen3.5's linear-attention projections; not the
+    routers or gates, which are nn.Linear, nor the LM head) and each expert stack's matrices ([experts, rows,
+    columns], not GPT-OSS's [experts, n] biases). Every other parameter is AdamW's: embeddings, LM head, norms,
+    biases, routers, sinks, Qwen3.5's 1-d and convolution parameters."""
+    modules = [m for layer in model.layers.values() for m in layer.modules()]
+    return ([m.weight for m in modules if isinstance(m, Linear)] +
+            [p for m in modules if isinstance(m, LocalExperts) for p in m.parameters(recurse=False) if p.ndim == 3])
+
+
 class Embedding(nn.Embedding):
     """nn.Embedding whose gradient, under one-process mixed precision on CUDA, goes row by row into the fp32
     master gradient (pith_engine.data_parallel.embedding)."""

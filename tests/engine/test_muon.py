@@ -1,0 +1,188 @@
+"""Muon (pith_engine.muon) against a plain reference written here from its formulas, its skip of a non-finite step,
+and its distributed split: sharded matrices (uneven row shards, an expert stack sharded by rows, HSDP's replicated
+shards) orthogonalized whole, each by one rank of its shard group, giving the one-process step."""
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import pith_engine.muon as muon_module
+from distributed import run_on_processes
+from pith_engine.data_parallel import grad_norm
+from pith_engine.muon import Muon, muon, row_counts
+from pith_engine.optim import adamw, clipped_step
+
+
+def newton_schulz(g: torch.Tensor, steps: int) -> torch.Tensor:
+    """The quintic iteration on one matrix: X = G / |G|_F (transposed when taller than wide), then
+    X <- a X + (b A + c A A) X with A = X X^T."""
+    a, b, c = 3.4445, -4.7750, 2.0315
+    tall = g.shape[0] > g.shape[1]
+    x = g.T if tall else g
+    x = x / (x.norm() + 1e-7)
+    for _ in range(steps):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.T if tall else x
+
+
+def reference_step(weight, grad, buffer, lr, weight_decay, momentum, nesterov, steps):
+    """One Muon step of a batch of matrices [..., rows, columns], each matrix on its own -> (weight, buffer)."""
+    buffer = momentum * buffer + grad
+    update = grad + momentum * buffer if nesterov else buffer
+    matrices = update.reshape(-1, *update.shape[-2:])
+    orthogonal = torch.stack([newton_schulz(m, steps) for m in matrices]).view(update.shape)
+    scale = 0.2 * math.sqrt(max(weight.shape[-2:]))
+    return weight * (1 - lr * weight_decay) - lr * scale * orthogonal, buffer
+
+
+class Toy(torch.nn.Module):
+    """Matrices wide and tall, one of a single row, an expert stack, and a bias and a norm for AdamW."""
+
+    def __init__(self):
+        super().__init__()
+        generator = torch.Generator().manual_seed(0)
+        shapes = dict(wide=(5, 12), tall=(12, 4), row=(1, 6), experts=(4, 6, 8), bias=(7,), norm=(6,))
+        for name, shape in shapes.items():
+            self.register_parameter(name, torch.nn.Parameter(torch.randn(shape, generator=generator)))
+
+    def matrices(self):
+        return [self.wide, self.tall, self.row, self.experts]
+
+
+def gradients(model, step: int, scale: float = 1.0) -> dict:
+    generator = torch.Generator().manual_seed(10 + step)
+    return {name: scale * torch.randn(p.shape, generator=generator) for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_two_steps_equal_the_formulas_and_the_rest_steps_as_adamw(nesterov):
+    """Two clipped steps (gradients of norm ~20 clipped to 1: the clip's scale is inside the step): each matrix
+    within 2e-6 of the reference (float32 rounding of the iteration), its momentum buffer within 1e-6; the bias and
+    norm exactly as adamw() steps them with the same clip."""
+    model, plain = Toy(), Toy()
+    optimizer = muon(model, model.matrices(), lr=0.02, weight_decay=0.1, momentum=0.9, nesterov=nesterov, ns_steps=5)
+    others = adamw(torch.nn.ParameterDict(dict(bias=plain.bias, norm=plain.norm)), lr=0.02, weight_decay=0.1)
+    buffers = {name: torch.zeros_like(p) for name, p in plain.named_parameters()}
+    for step in range(2):
+        for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+            p.grad = gradients(model, step)[name]
+            q.grad = p.grad.clone()
+        norm = grad_norm(model.parameters())
+        clipped_step(optimizer, norm, 1.0)
+        clipped_step(others, norm, 1.0)
+        with torch.no_grad():
+            for name in ("wide", "tall", "row", "experts"):
+                weight = getattr(plain, name)
+                new, buffers[name] = reference_step(weight, weight.grad / (norm + 1e-6), buffers[name], 0.02, 0.1, 0.9,
+                                                    nesterov, 5)
+                weight.copy_(new)
+    assert norm.item() > 10
+    for name, p in model.named_parameters():
+        expected = getattr(plain, name)
+        if name in ("bias", "norm"):
+            assert torch.equal(p, expected), name
+        else:
+            assert (p - expected).abs().max().item() < 2e-6, name
+            assert (optimizer.state[p]["momentum_buffer"] - buffers[name]).abs().max().item() < 1e-6, name
+            assert (p - Toy().get_parameter(name)).abs().max().item() > 1e-3, name   # it moved
+        assert optimizer.state[p]["step"].item() == 2
+    assert sorted(optimizer.state[model.wide]) == ["momentum_buffer", "step"]
+    assert sorted(optimizer.state[model.bias]) == ["exp_avg", "exp_avg_sq", "step"]
+
+
+def test_the_orthogonalized_update_has_singular_values_near_1_and_the_rms_of_adamw():
+    """What the scale is for: NS's 5 steps leave each singular value of a random gradient in about [0.7, 1.2], and
+    0.2 x sqrt(max(rows, columns)) x O has an RMS near 0.2, where a steady AdamW update is about that size."""
+    g = torch.randn(256, 64, generator=torch.Generator().manual_seed(1))
+    o = muon_module.orthogonalize(g, 5, torch.float32)
+    singular = torch.linalg.svdvals(o)
+    assert 0.6 < singular.min().item() and singular.max().item() < 1.25
+    assert abs((0.2 * math.sqrt(256) * o).square().mean().sqrt().item() - 0.2) < 0.03
+
+
+def test_a_non_finite_gradient_norm_leaves_weights_momentum_and_step_count_as_they_were():
+    model = Toy()
+    optimizer = muon(model, model.matrices(), lr=0.02, weight_decay=0.1)
+    for name, p in model.named_parameters():
+        p.grad = gradients(model, 0)[name]
+    clipped_step(optimizer, grad_norm(model.parameters()), 1.0)
+    weights = [p.detach().clone() for p in model.parameters()]
+    state = [{k: v.clone() for k, v in optimizer.state[p].items()} for p in model.parameters()]
+    model.wide.grad[0, 0], model.experts.grad[1, 2, 3] = float("inf"), float("nan")
+    clipped_step(optimizer, grad_norm(model.parameters()), 1.0)
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
+    for p, before in zip(model.parameters(), state):
+        assert all(torch.equal(optimizer.state[p][k], v) for k, v in before.items())
+
+
+def test_row_counts_are_fsdp2s_torch_chunk_split():
+    assert row_counts(8, 2) == [4, 4] and row_counts(5, 2) == [3, 2] and row_counts(5, 4) == [2, 2, 1, 0]
+    assert row_counts(1, 2) == [1, 0]
+    for rows, ranks in ((5, 4), (7, 3), (1, 4), (12, 4)):
+        assert row_counts(rows, ranks) == [c.shape[0] for c in torch.arange(rows).chunk(ranks)] + [0] * (
+            ranks - len(torch.arange(rows).chunk(ranks)))
+
+
+def counting_orthogonalize(counts: list):
+    """muon_module.orthogonalize, appending the number of matrices of each call to counts."""
+    real = muon_module.orthogonalize
+
+    def counting(update, steps, dtype):
+        counts.append(update.reshape(-1, *update.shape[-2:]).shape[0])
+        return real(update, steps, dtype)
+    return counting
+
+
+def one_process_steps(steps: int = 2) -> Toy:
+    model = Toy()
+    optimizer = muon(model, model.matrices(), lr=0.02, weight_decay=0.1)
+    for step in range(steps):
+        for name, p in model.named_parameters():
+            p.grad = gradients(model, step, 0.01)[name]
+        clipped_step(optimizer, grad_norm(model.parameters()), 1.0)
+    return model
+
+
+def sharded_steps(rank, world, mesh_shape, out):
+    """Toy's parameters as DTensors sharded by rows of each matrix (the expert stack by dim 1, as FSDP2 shards it)
+    over the mesh's last dimension and replicated over the first (HSDP) where it has two; two Muon steps on gradients
+    sharded alike; the full weights and each rank's count of orthogonalized matrices saved."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", mesh_shape)
+    counts = []
+    muon_module.orthogonalize = counting_orthogonalize(counts)
+
+    def placements(p):
+        return [Replicate()] * (len(mesh_shape) - 1) + [Shard(p.ndim - 2 if p.ndim >= 2 else 0)]
+    model = Toy()
+    for name, p in list(model.named_parameters()):
+        setattr(model, name, torch.nn.Parameter(distribute_tensor(p.detach(), mesh, placements(p))))
+    optimizer = muon(model, model.matrices(), lr=0.02, weight_decay=0.1)
+    for step in range(2):
+        for name, p in model.named_parameters():
+            p.grad = distribute_tensor(gradients(model, step, 0.01)[name], mesh, placements(p))
+        clipped_step(optimizer, grad_norm(model.parameters()) / math.sqrt(world // mesh_shape[-1]), 1.0)
+    full = {name: p.full_tensor() for name, p in model.named_parameters()}
+    torch.save(dict(weights=full, counts=counts), out / f"{rank}.pt")
+
+
+@pytest.mark.parametrize("mesh_shape", [(2,), (4,), (2, 2)], ids=["2 ranks", "4 ranks", "2 replicas x 2 shards"])
+def test_sharded_matrices_are_dealt_out_and_the_step_is_the_one_process_step(mesh_shape, tmp_path):
+    """Each of the 7 matrices (wide, tall, the single row, 4 experts) orthogonalized whole by one rank of its shard
+    group (in each replica), each rank a share by NS cost, the counts adding up to 7 per step in each replica; the
+    weights after 2 steps within 1e-6 of one process's (the same matrices, gathered exactly)."""
+    world = math.prod(mesh_shape)
+    run_on_processes(world, sharded_steps, mesh_shape, tmp_path)
+    expected = one_process_steps()
+    results = [torch.load(tmp_path / f"{rank}.pt") for rank in range(world)]
+    shards = mesh_shape[-1]
+    for replica in range(world // shards):
+        counts = [sum(results[replica * shards + r]["counts"]) for r in range(shards)]
+        assert sum(counts) == 2 * 7 and max(counts) <= 2 * 4, counts   # 7 matrices, 2 steps
+        assert all(count > 0 for count in counts), counts
+    for result in results:
+        for name, p in expected.named_parameters():
+            assert (result["weights"][name] - p).abs().max().item() < 1e-6, name
