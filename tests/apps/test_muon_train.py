@@ -1,0 +1,177 @@
+"""The app's --optimizer muon: which parameters each family gives Muon and which AdamW, its flags (and their TOML
+file), resumes that repeat the uninterrupted run, and the same steps under dp 2, ep 2, dp 2 x ep 2, pp 2 and cp 2 as
+on one process (spawned gloo processes, the app's own train(): logged losses and gradient norms)."""
+import json
+import re
+import shutil
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import pith_apps.train as train_app
+from distributed import run_on_processes
+from pith_apps.config import ConfigError
+from pith_apps.options import MODELS, parse_args, run_config_text
+from pith_engine import checkpoint
+from pith_engine.muon import Muon
+from pith_engine.parallel import Parallel
+from test_train import tensorboard_events
+
+MUON = {
+    "qwen3": ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+              "mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+    "deepseek_v2": ["self_attn.q_proj.weight", "self_attn.kv_a_proj_with_mqa.weight", "self_attn.kv_b_proj.weight",
+                    "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+                    "mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.shared_experts.gate_proj.weight",
+                    "mlp.shared_experts.up_proj.weight", "mlp.shared_experts.down_proj.weight"],
+    "gpt_oss": ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+                "mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+    "qwen3_5": ["linear_attn.in_proj_qkv.weight", "linear_attn.in_proj_z.weight", "linear_attn.in_proj_b.weight",
+                "linear_attn.in_proj_a.weight", "linear_attn.out_proj.weight", "mlp.experts.gate_up_proj",
+                "mlp.experts.down_proj", "mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight",
+                "mlp.shared_expert.down_proj.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                "self_attn.v_proj.weight", "self_attn.o_proj.weight"],
+}
+OUTSIDE_LAYERS = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
+ADAMW = {
+    "qwen3": ["input_layernorm.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
+              "post_attention_layernorm.weight", "mlp.gate.weight"],
+    "deepseek_v2": ["input_layernorm.weight", "self_attn.kv_a_layernorm.weight", "post_attention_layernorm.weight",
+                    "mlp.gate.weight"],
+    "gpt_oss": ["input_layernorm.weight", "self_attn.sinks", "self_attn.q_proj.bias", "self_attn.k_proj.bias",
+                "self_attn.v_proj.bias", "self_attn.o_proj.bias", "post_attention_layernorm.weight", "mlp.router.weight",
+                "mlp.router.bias", "mlp.experts.gate_up_proj_bias", "mlp.experts.down_proj_bias"],
+    "qwen3_5": ["input_layernorm.weight", "linear_attn.dt_bias", "linear_attn.A_log", "linear_attn.conv1d.weight",
+                "linear_attn.norm.weight", "post_attention_layernorm.weight", "mlp.gate.weight",
+                "mlp.shared_expert_gate.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight"],
+}
+
+
+def layer_kind(name: str) -> str:
+    """A parameter's name with its layer number left out: model.layers.N.<rest> -> <rest>."""
+    return re.sub(r"^model\.layers\.\d+\.", "", name)
+
+
+@pytest.mark.parametrize("family", list(MODELS))
+def test_each_family_gives_muon_its_hidden_matrices_and_adamw_the_rest(family):
+    """The tiny preset through the app's prepare_step under --optimizer muon: Muon's group holds exactly the listed
+    matrices of every layer (each a batch of matrices: 2-d, or an expert stack [experts, rows, columns]), decayed;
+    AdamW's two groups everything else."""
+    args = parse_args([family, "--optimizer", "muon", "--weight-decay", "0.1"])
+    model = MODELS[family][1](train_app.model_config(args), Parallel())
+    optimizer, graph = train_app.prepare_step(args, Parallel(), torch.device("cpu"), model)
+    assert isinstance(optimizer, Muon) and graph is None
+    names = {id(p): name for name, p in model.named_parameters()}
+    muon_group, *adamw_groups = optimizer.param_groups
+    assert muon_group["muon"] and muon_group["weight_decay"] == 0.1 and not any(g.get("muon") for g in adamw_groups)
+    assert (muon_group["momentum"], muon_group["nesterov"], muon_group["ns_steps"]) == (0.95, True, 5)
+    on_muon = [names[id(p)] for p in muon_group["params"]]
+    on_adamw = [names[id(p)] for group in adamw_groups for p in group["params"]]
+    assert sorted(set(map(layer_kind, on_muon))) == sorted(MUON[family])
+    assert sorted(set(map(layer_kind, on_adamw))) == sorted(ADAMW[family] + OUTSIDE_LAYERS)
+    assert len(on_muon) + len(on_adamw) == len(names)   # each parameter in one group
+    assert all(model.get_parameter(name).ndim in (2, 3) for name in on_muon)
+
+
+def test_the_flags_their_defaults_checks_and_toml_file(tmp_path):
+    defaults = parse_args(["qwen3"])
+    assert (defaults.optimizer, defaults.muon_momentum, defaults.nesterov, defaults.ns_steps) == ("adamw", 0.95, True, 5)
+    args = parse_args(["qwen3", "--optimizer", "muon", "--muon-momentum", "0.9", "--no-nesterov", "--ns-steps", "3"])
+    text = run_config_text(args)
+    for line in ('optimizer = "muon"', "muon-momentum = 0.9", "nesterov = false", "ns-steps = 3"):
+        assert line in text.splitlines(), line
+    (tmp_path / "run.toml").write_text(text)
+    assert vars(parse_args(["--run-config", str(tmp_path / "run.toml")])) == vars(args) | {
+        "run_config": str(tmp_path / "run.toml")}
+    for flags, message in ((["--muon-momentum", "1"], r"--muon-momentum=1.0 must be in \[0, 1\)"),
+                           (["--ns-steps", "0"], r"--ns-steps=0 must be a positive integer")):
+        with pytest.raises(ConfigError, match=message):
+            train_app.check_args(parse_args(["qwen3", "--optimizer", "muon", *flags]))
+
+
+# constant LR after warmup, so that a run stopped at step 3 and resumed to 6 has the schedule of a 6-step run;
+# 4 layers (pp 2's 4 chunks), micro-batches of one sequence (4 per data rank: DualPipeV's fewest at pp 2), the aux
+# loss per sequence (the same terms under every layout), sequences cp 2 can cut in zigzag chunks
+RUN = ["qwen3", "--optimizer", "muon", "--layers", "4", "--batch-size", "4", "--micro-batch-size", "1", "--seq-len",
+       "32", "--warmup", "2", "--schedule", "constant", "--balance", "sequence", "--quiet", "--save-every", "3"]
+
+
+def train(out, steps, *flags):
+    return train_app.train(train_app.parse_args([*RUN, "--out", str(out), "--steps", str(steps), *flags]))
+
+
+def two_process_runs(rank, world, root):
+    losses = {f"{dim}2": train(root / f"{dim}2", 3, f"--{dim}", "2") for dim in ("dp", "ep", "pp", "cp")}
+    if rank == 0:
+        (root / "losses-2.json").write_text(json.dumps(losses))
+
+
+def four_process_runs(rank, world, root):
+    losses = {"dp2-ep2": train(root / "dp2-ep2", 3, "--dp", "2", "--ep", "2")}
+    if rank == 0:
+        (root / "losses-4.json").write_text(json.dumps(losses))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Steps 1-3 under each layout; one process's 6 steps; from the dp 2 checkpoint of step 3 on one process to 6."""
+    root = tmp_path_factory.mktemp("muon_train")
+    run_on_processes(2, two_process_runs, root)
+    run_on_processes(4, four_process_runs, root)
+    losses = json.loads((root / "losses-2.json").read_text()) | json.loads((root / "losses-4.json").read_text())
+    losses["one"] = train(root / "one", 6)
+    shutil.copytree(root / "dp2", root / "dp2-then-one")
+    losses["dp2-then-one"] = train(root / "dp2-then-one", 6, "--resume")
+    return root, losses
+
+
+def grad_norms(folder) -> list[float]:
+    return [event.value for event in tensorboard_events(folder / "tb").Scalars("train/grad_norm")]
+
+
+@pytest.mark.parametrize("name", ["dp2", "ep2", "dp2-ep2", "pp2", "cp2"])
+def test_each_layout_takes_the_one_process_muon_steps(runs, name):
+    """Float32: the logged loss of each of the 3 steps (the 2nd and 3rd after Muon's updates) and each clipped
+    gradient norm within 1e-5 of one process's, the layouts differing in summation order only."""
+    root, losses = runs
+    ours, one = losses[name], losses["one"][:3]
+    assert len(ours) == 3 and all(abs(a - b) <= 1e-5 * b for a, b in zip(ours, one)), (ours, one)
+    norms, reference = grad_norms(root / name), grad_norms(root / "one")[:3]
+    assert len(norms) == 3 and all(abs(a - b) <= 1e-5 * b for a, b in zip(norms, reference)), (norms, reference)
+    assert one[2] < one[0]
+
+
+def test_a_dp2_checkpoint_resumes_on_one_process_as_the_uninterrupted_run(runs):
+    """Steps 4-6 on one process from the dp 2 checkpoint of step 3 (its momentum buffers and AdamW moments
+    gathered from the two ranks' shards): the one-process run's losses within 1e-5."""
+    _, losses = runs
+    ours, one = losses["dp2-then-one"], losses["one"][3:]
+    assert len(ours) == 3 and all(abs(a - b) <= 1e-5 * b for a, b in zip(ours, one)), (ours, one)
+
+
+def test_a_resume_repeats_the_uninterrupted_run_exactly_and_the_checkpoint_holds_muons_state(runs, tmp_path):
+    """One process, steps 4-6 from the step-3 checkpoint of the 6-step run: every loss and weight exactly the
+    uninterrupted run's. The checkpoint holds each Muon matrix's momentum (one entry per expert) and AdamW's moments
+    for the rest, no moments for Muon's; an AdamW run is not resumed from it."""
+    root, losses = runs
+    shutil.copytree(root / "one", tmp_path / "run")
+    shutil.rmtree(tmp_path / "run" / "checkpoints" / "step-00000006")
+    (tmp_path / "run" / "checkpoints" / "latest").write_text("step-00000003")
+    assert train(tmp_path / "run", 6, "--resume") == losses["one"][3:]
+    saved = dcp.FileSystemReader(root / "one" / "checkpoints" / "step-00000006").read_metadata().state_dict_metadata
+    resumed = dcp.FileSystemReader(tmp_path / "run" / "checkpoints" / "step-00000006").read_metadata().state_dict_metadata
+    assert saved.keys() == resumed.keys()
+    args = train_app.parse_args(RUN)
+    uninterrupted, repeated = (MODELS["qwen3"][1](train_app.model_config(args), Parallel()) for _ in range(2))
+    checkpoint.load_weights(root / "one" / "checkpoints" / "step-00000006", uninterrupted)
+    checkpoint.load_weights(tmp_path / "run" / "checkpoints" / "step-00000006", repeated)
+    assert all(torch.equal(a, b) for a, b in zip(uninterrupted.parameters(), repeated.parameters()))
+    for name in ("optimizer.model.layers.1.mlp.experts.7.down_proj.momentum_buffer",
+                 "optimizer.model.layers.0.self_attn.q_proj.weight.momentum_buffer",
+                 "optimizer.lm_head.weight.exp_avg", "optimizer.model.layers.0.mlp.gate.weight.exp_avg_sq"):
+        assert name in saved, name
+    assert not any(name.endswith("q_proj.weight.exp_avg") or "experts.0.down_proj.exp_avg" in name for name in saved)
+    with pytest.raises(ConfigError, match=r"was trained with --optimizer muon, not adamw: resume with it"):
+        train_app.train(train_app.parse_args([*RUN, "--optimizer", "adamw", "--out", str(tmp_path / "run"), "--steps",
+                                              "7", "--resume"]))
