@@ -1,6 +1,7 @@
 """The app's --optimizer muon: which parameters each family gives Muon and which AdamW, its flags (and their TOML
-file), resumes that repeat the uninterrupted run, and the same steps under dp 2, ep 2, dp 2 x ep 2, pp 2 and cp 2 as
-on one process (spawned gloo processes, the app's own train(): logged losses and gradient norms)."""
+file), resumes that repeat the uninterrupted run, and the same steps under dp 2, ep 2, dp 2 x ep 2, pp 2, cp 2 and
+HSDP (2 replicas of 2 shards) as on one process (spawned gloo processes, the app's own train(): logged losses and
+gradient norms)."""
 import json
 import re
 import shutil
@@ -108,7 +109,8 @@ def two_process_runs(rank, world, root):
 
 
 def four_process_runs(rank, world, root):
-    losses = {"dp2-ep2": train(root / "dp2-ep2", 3, "--dp", "2", "--ep", "2")}
+    losses = {"dp2-ep2": train(root / "dp2-ep2", 3, "--dp", "2", "--ep", "2"),
+              "hsdp": train(root / "hsdp", 3, "--dp", "4", "--dp-replicate", "2")}   # 2 replicas of 2 shards
     if rank == 0:
         (root / "losses-4.json").write_text(json.dumps(losses))
 
@@ -130,7 +132,7 @@ def grad_norms(folder) -> list[float]:
     return [event.value for event in tensorboard_events(folder / "tb").Scalars("train/grad_norm")]
 
 
-@pytest.mark.parametrize("name", ["dp2", "ep2", "dp2-ep2", "pp2", "cp2"])
+@pytest.mark.parametrize("name", ["dp2", "ep2", "dp2-ep2", "pp2", "cp2", "hsdp"])
 def test_each_layout_takes_the_one_process_muon_steps(runs, name):
     """Float32: the logged loss of each of the 3 steps (the 2nd and 3rd after Muon's updates) and each clipped
     gradient norm within 1e-5 of one process's, the layouts differing in summation order only."""

@@ -117,6 +117,22 @@ def test_a_non_finite_gradient_norm_leaves_weights_momentum_and_step_count_as_th
         assert all(torch.equal(optimizer.state[p][k], v) for k, v in before.items())
 
 
+def test_the_step_never_waits_for_the_host():
+    """What a CUDA graph of the step needs (StepGraph): Muon's step, clip and skip included, calls no aten op that
+    would wait for the host on CUDA (tests/engine/test_host_syncs.py's count), on its first step (state made) and
+    after."""
+    from test_host_syncs import HostSyncs
+    model = Toy()
+    optimizer = muon(model, model.matrices(), lr=torch.tensor(0.02), weight_decay=0.1)
+    optimizer.param_groups = [group for group in optimizer.param_groups if group.get("muon")]   # Muon's path alone
+    for step in range(2):
+        for name, p in model.named_parameters():
+            p.grad = gradients(model, step)[name]
+        with HostSyncs() as syncs:
+            clipped_step(optimizer, grad_norm(model.matrices()), 1.0, torch.tensor(0.02))
+        assert syncs.calls == []
+
+
 def test_row_counts_are_fsdp2s_torch_chunk_split():
     assert row_counts(8, 2) == [4, 4] and row_counts(5, 2) == [3, 2] and row_counts(5, 4) == [2, 2, 1, 0]
     assert row_counts(1, 2) == [1, 0]

@@ -69,53 +69,55 @@ class Muon(AdamW):
     def state_of(self, param: torch.Tensor) -> dict:
         """The parameter's state (made on first use), AdamW's or Muon's."""
         state = self.state[param]
-        if state or not any(group.get("muon") and any(p is param for p in group["params"]) for group in self.param_groups):
+        if state or not any(p is param for group in self.param_groups if group.get("muon") for p in group["params"]):
             return super().state_of(param)
         state["step"] = torch.zeros((), dtype=torch.float32, device=param.device)
         state["momentum_buffer"] = torch.zeros_like(param)
         return state
 
     def muon_step(self, with_grads: list[tuple[torch.Tensor, dict]]):
-        params = [p for p, _ in with_grads]
-        device = params[0].device
+        """Momentum, NS and the update of each parameter: a whole one at once (so that only one parameter's
+        temporaries are alive at a time), sharded ones by shard group, one group after another in the order the
+        parameters first name them (the same on every rank of a group, as its collectives need)."""
+        device = with_grads[0][0].device
         grad_scale, found_inf = clip_flags(self, device)
         skipped = found_inf != 0
-        states = [self.state_of(p) for p in params]
+        states = [self.state_of(p) for p, _ in with_grads]
         count_step(states, found_inf)
-        updates = []
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32   # NS's
+        sharded = {}
         for (p, group), state in zip(with_grads, states):
-            grad, momentum = local_part(p.grad) / grad_scale, local_part(state["momentum_buffer"])
-            moved = group["momentum"] * momentum + grad
-            momentum.copy_(torch.where(skipped, momentum, moved))   # a skipped step's gradient may be inf or nan
-            updates.append(grad + group["momentum"] * moved if group["nesterov"] else moved)
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        orthogonal = orthogonalized(params, updates, [group["ns_steps"] for _, group in with_grads], dtype)
-        for (p, group), o in zip(with_grads, orthogonal):
-            lr, local = group["lr"], local_part(p)
-            scale = RMS_MATCH * math.sqrt(max(p.shape[-2:]))
-            moved = local * (1 - lr * group["weight_decay"]) - (lr * scale) * o
-            local.copy_(torch.where(skipped, local, moved))
+            update = momentum_update(p, group, state["momentum_buffer"], grad_scale, skipped)
+            shards = shard_group(p)
+            if shards is None:
+                apply_update(p, group, orthogonalize(update, group["ns_steps"], dtype), skipped)
+            else:   # in NS's dtype until the group's turn: less memory held
+                sharded.setdefault(shards, []).append((p, group, update.to(dtype)))
+        for shards, held in sharded.items():
+            parts = split_orthogonalize([u for _, _, u in held], [p.shape[-2] for p, _, _ in held],
+                                        [group["ns_steps"] for _, group, _ in held], shards, dtype)
+            for (p, group, _), part in zip(held, parts):
+                apply_update(p, group, part, skipped)
 
 
-def orthogonalized(params: list[torch.Tensor], updates: list[torch.Tensor], steps: list[int],
-                   dtype: torch.dtype) -> list[torch.Tensor]:
-    """NS of each parameter's update (its local rows where sharded) -> this rank's rows of the results: whole matrices
-    here, sharded ones dealt out over their shard group (split_orthogonalize), one group after another in the order
-    the parameters first name them (the same on every rank of a group)."""
-    results = [None] * len(params)
-    groups = {}
-    for index, param in enumerate(params):
-        group = shard_group(param)
-        if group is None:
-            results[index] = orthogonalize(updates[index], steps[index], dtype)
-        else:
-            groups.setdefault(group, []).append(index)
-    for group, indices in groups.items():
-        parts = split_orthogonalize([updates[i] for i in indices], [params[i].shape[-2] for i in indices],
-                                    [steps[i] for i in indices], group, dtype)
-        for i, part in zip(indices, parts):
-            results[i] = part
-    return results
+def momentum_update(param: torch.Tensor, group: dict, buffer: torch.Tensor, grad_scale: torch.Tensor,
+                    skipped: torch.Tensor) -> torch.Tensor:
+    """The momentum buffer B <- momentum * B + G (G the gradient over grad_scale; B kept where skipped: a skipped
+    step's gradient may be inf or nan) -> the update NS orthogonalizes: G + momentum * B (Nesterov) or B. Local
+    rows of a sharded parameter: elementwise, so a rank's own."""
+    grad, buffer = local_part(param.grad) / grad_scale, local_part(buffer)
+    moved = torch.add(grad, buffer, alpha=group["momentum"])
+    buffer.copy_(torch.where(skipped, buffer, moved))
+    return grad.add_(moved, alpha=group["momentum"]) if group["nesterov"] else moved
+
+
+def apply_update(param: torch.Tensor, group: dict, orthogonal: torch.Tensor, skipped: torch.Tensor):
+    """W <- W * (1 - lr * weight_decay) - lr * 0.2 * sqrt(max(rows, columns)) * O, on this rank's rows of W and O,
+    except where skipped; rows and columns are the whole matrix's."""
+    lr, local = group["lr"], local_part(param)
+    scale = RMS_MATCH * math.sqrt(max(param.shape[-2:]))
+    moved = local * (1 - lr * group["weight_decay"]) - (lr * scale) * orthogonal
+    local.copy_(torch.where(skipped, local, moved))
 
 
 def shard_group(param: torch.Tensor):
@@ -175,7 +177,8 @@ def split_orthogonalize(updates: list[torch.Tensor], rows: list[int], steps: lis
     done = orthogonalize_each(whole, [steps[i] for i, _ in owned[me]])
     back = flat([done[k][sum(counts[i][:rank]):sum(counts[i][:rank + 1])]
                  for rank in range(ranks) for k, (i, _) in enumerate(owned[me])], updates[0])
-    returned = iter(exchange(back, there, here, group).split([size(i, me) for rank in range(ranks) for i, _ in owned[rank]]))
+    returned = exchange(back, there, here, group).split([size(i, me) for rank in range(ranks) for i, _ in owned[rank]])
+    returned = iter(returned)
     results = [torch.empty_like(u) for u in updates]
     for rank in range(ranks):
         for i, b in owned[rank]:
