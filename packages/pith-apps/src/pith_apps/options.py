@@ -91,8 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: cosine).")
     add("--weight-decay", type=float, default=0.1, help="Decoupled weight decay of the matrices (AdamW's and Muon's); "
         "norms and biases have none (default: 0.1).")
-    add("--optimizer", choices=OPTIMIZERS, default="adamw", help="adamw: AdamW for every parameter. muon: Muon for the "
-        "decoder layers' hidden matrices (attention and MLA projections, dense and shared-expert MLPs, each routed "
+    add("--optimizer", choices=OPTIMIZERS, default="adamw", help="The optimizer. adamw: AdamW for every parameter. muon: "
+        "Muon for the decoder layers' hidden matrices (attention and MLA projections, dense and shared-expert MLPs, each routed "
         "expert's own matrices): momentum, then each matrix's update orthogonalized by Newton-Schulz iterations and "
         "scaled by 0.2 x sqrt(max(rows, columns)) to the RMS of an AdamW update, so that one --lr and --weight-decay "
         "serve both; AdamW for the rest (embeddings, LM head, norms, biases, routers and gates, sinks, Qwen3.5's 1-d "
