@@ -122,7 +122,7 @@ def states_body(rank, world, argv):
     ids = torch.randint(0, 257, (args.batch_size, args.seq_len), generator=torch.Generator().manual_seed(0))
     train_app.gradient_step(args, parallel, model, optimizer, ids, ids, torch.tensor(1e-3), pipeline)
     params = list(model.parameters())
-    moments = [local_part(state[key]) for p in params for state in [optimizer.state[p]] for key in ("exp_avg", "exp_avg_sq")]
+    moments = [local_part(value) for p in params for key, value in optimizer.state[p].items() if key != "step"]
     measured = torch.tensor([sum(local_part(p).nbytes for p in params), sum(m.nbytes for m in moments),
                              float(parallel.coords["pp"]), fp8_steps[0][1]], dtype=torch.float64)
     every = [torch.zeros_like(measured) for _ in range(world)]
@@ -136,11 +136,11 @@ def states_body(rank, world, argv):
 
 
 @pytest.mark.parametrize("layout", [["--dp", "2"], ["--ep", "2"], ["--pp", "2", "--layers", "4", "--micro-batch-size", "1"],
-                                    ["--dp", "2", "--dp-replicate", "2"]])
-def test_weights_and_adamw_state_are_each_ranks_own_exactly(layout):
-    """Two processes (gloo): the largest rank's bytes of weights and of AdamW moments are the estimate's to the byte
-    (the vocabulary's 257 rows split 129 / 128 under dp, the experts 4 / 4 under ep; 2 replicas of 1 shard each hold
-    every weight); --fp8's cache holds the two
+                                    ["--dp", "2", "--dp-replicate", "2"], ["--dp", "2", "--optimizer", "muon"]])
+def test_weights_and_optimizer_state_are_each_ranks_own_exactly(layout):
+    """Two processes (gloo): the largest rank's bytes of weights and of AdamW moments (under --optimizer muon, its
+    matrices' momentum) are the estimate's to the byte (the vocabulary's 257 rows split 129 / 128 under dp, the
+    experts 4 / 4 under ep; 2 replicas of 1 shard each hold every weight); --fp8's cache holds the two
     layouts of each FP8 weight of a pipeline rank, and nothing where FSDP2 gathers the weights for each use."""
     argv = ["qwen3", "--seq-len", "32", "--batch-size", "4", "--device", "cpu", "--steps", "1", "--warmup", "0", "--fp8",
             *layout]

@@ -1,4 +1,4 @@
-"""Each pipeline rank's memory for a pith-train run on its layout: weights, gradients, AdamW state, compute
+"""Each pipeline rank's memory for a pith-train run on its layout: weights, gradients, optimizer state, compute
 copies, FP8 cache, activations and transients, and the peak they add up to.
 
   hatch run apps:python skills/pith-apps/estimate-memory/estimate_memory.py [--gpu-memory GIB] -- qwen3 --preset 30b-a3b \
@@ -20,7 +20,7 @@ import sys
 import torch
 
 from pith_apps.config import ConfigError, qwen3_5_layer_types
-from pith_apps.models.layers import Linear, LocalExperts
+from pith_apps.models.layers import Linear, LocalExperts, hidden_matrices
 from pith_apps.options import MODELS, check_args, hf_config_data, model_config, parse_args
 from pith_apps.train import check_layout, compute_dtype, micro_batch_size, micro_batches_per_rank
 from pith_engine.contract import moe_layers
@@ -153,12 +153,14 @@ def in_flight(pp: int, micro_batches: int, rank: int, chunk_bytes: list[tuple[fl
 
 def weight_elements(model: torch.nn.Module, layout: dict, compiled: bool) -> dict:
     """Per-rank element counts of the model's weights (built on meta for this pipeline rank): `local` what the
-    rank keeps (the largest FSDP2 shard, as torch.chunk splits), `gathered` the largest layer unsharded and `root`
+    rank keeps (the largest FSDP2 shard, as torch.chunk splits), of it `muon` that of the matrices --optimizer muon
+    steps (hidden_matrices: one moment where AdamW keeps two), `gathered` the largest layer unsharded and `root`
     the rest unsharded (what FSDP2 gathers in the compute dtype), `fp8` the elements of each weight --fp8
     quantizes, unsharded (what the FP8 cache is given: the gathered weight)."""
     shards = layout["dp"] // layout.get("dp_replicate", 1)   # under HSDP a weight is sharded within a replica
     dense_shards, expert_shards = shards * layout["cp"] * layout["ep"], shards * layout["cp"]
-    counts = dict(local=0, gathered=0, root=0, fp8=[])
+    counts = dict(local=0, muon=0, gathered=0, root=0, fp8=[])
+    muon = {id(p) for p in hidden_matrices(model)}
     for layer in model.model.layers.values():
         total = 0
         for name, param in layer.named_parameters():
@@ -168,7 +170,9 @@ def weight_elements(model: torch.nn.Module, layout: dict, compiled: bool) -> dic
                 shape[0] //= layout["ep"]
             axis, shards = (1, expert_shards) if expert else (0, dense_shards)
             whole = math.prod(shape)
-            counts["local"] += whole // shape[axis] * math.ceil(shape[axis] / shards) if shards > 1 else whole
+            local = whole // shape[axis] * math.ceil(shape[axis] / shards) if shards > 1 else whole
+            counts["local"] += local
+            counts["muon"] += local * (id(param) in muon)
             total += whole
         counts["gathered"] = max(counts["gathered"], total)
         counts["fp8"] += fp8_elements(layer, compiled, layout["ep"])
@@ -234,7 +238,8 @@ def estimate(args) -> list[dict]:
         phases = [[sum(per_layer[layer][part] for layer in chunks[c]) for part in (0, 1)]
                   for c in (rank, 2 * args.pp - 1 - rank)]
         phases[1][0] += head   # one process: both "phases" are the whole model
-        row = dict(rank=rank, weights=4 * n["local"], gradients=4 * n["local"], optimizer=8 * n["local"],
+        moments = 8 * n["local"] - 4 * n["muon"] * (args.optimizer == "muon")   # AdamW's two, Muon's one
+        row = dict(rank=rank, weights=4 * n["local"], gradients=4 * n["local"], optimizer=moments,
                    activations=tokens * in_flight(args.pp, micro_batches, rank, phases),
                    fp8_cache=2 * sum(n["fp8"]) * args.fp8 * (not plan.sharded))
         if not plan.sharded:   # ComputeCasts: a copy of every weight held, kept for the step's micro-batches
