@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import pith_apps.train as train_app
@@ -15,6 +16,7 @@ from distributed import run_on_processes
 from pith_apps.config import ConfigError
 from pith_apps.options import MODELS, parse_args, run_config_text
 from pith_engine import checkpoint
+import pith_engine.muon as muon_module
 from pith_engine.muon import Muon
 from pith_engine.parallel import Parallel
 from test_train import tensorboard_events
@@ -103,9 +105,17 @@ def train(out, steps, *flags):
 
 
 def two_process_runs(rank, world, root):
-    losses = {f"{dim}2": train(root / f"{dim}2", 3, f"--{dim}", "2") for dim in ("dp", "ep", "pp", "cp")}
+    """Each layout's 3 steps; under dp 2 each rank's count of the matrices it orthogonalized."""
+    counts, orthogonalize = [], muon_module.orthogonalize
+    muon_module.orthogonalize = lambda update, *args: counts.append(update[..., 0, 0].numel()) or orthogonalize(
+        update, *args)
+    losses = {"dp2": train(root / "dp2", 3, "--dp", "2")}
+    muon_module.orthogonalize = orthogonalize
+    losses |= {f"{dim}2": train(root / f"{dim}2", 3, f"--{dim}", "2") for dim in ("ep", "pp", "cp")}
+    every = [None] * world
+    dist.all_gather_object(every, sum(counts))
     if rank == 0:
-        (root / "losses-2.json").write_text(json.dumps(losses))
+        (root / "losses-2.json").write_text(json.dumps(losses | {"dp2-counts": every}))
 
 
 def four_process_runs(rank, world, root):
@@ -142,6 +152,14 @@ def test_each_layout_takes_the_one_process_muon_steps(runs, name):
     norms, reference = grad_norms(root / name), grad_norms(root / "one")[:3]
     assert len(norms) == 3 and all(abs(a - b) <= 1e-5 * b for a, b in zip(norms, reference)), (norms, reference)
     assert one[2] < one[0]
+
+
+def test_under_dp2_each_rank_orthogonalizes_its_share_of_the_matrices(runs):
+    """4 layers of 4 attention projections and 8 experts' 2 matrices: 80 matrices a step, each orthogonalized by one
+    of the 2 ranks (its whole matrix, dealt by NS cost), 240 over 3 steps; each rank did between 40% and 60%."""
+    _, losses = runs
+    counts = losses["dp2-counts"]
+    assert sum(counts) == 3 * 4 * (4 + 8 * 2) and all(0.4 * 240 <= count <= 0.6 * 240 for count in counts), counts
 
 
 def test_a_dp2_checkpoint_resumes_on_one_process_as_the_uninterrupted_run(runs):

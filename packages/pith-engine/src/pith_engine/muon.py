@@ -21,6 +21,7 @@ their NS cost); one all-to-all brings each rank the rows of the matrices it owns
 all-to-all returns each rank its rows of the results. Each rank so orthogonalizes about 1/G of its group's
 matrices. Under HSDP every replica does this within itself; a pipeline rank alone holds whole matrices.
 """
+import functools
 import math
 
 import torch
@@ -143,47 +144,68 @@ def row_counts(rows: int, ranks: int) -> list[int]:
     return [min(chunk, max(0, rows - rank * chunk)) for rank in range(ranks)]
 
 
-def deal(costs: list[float], ranks: int) -> list[int]:
+@functools.lru_cache(maxsize=16)   # the same every step: dealt once (thousands of experts take milliseconds)
+def deal(costs: tuple[int, ...], ranks: int) -> tuple[int, ...]:
     """The rank that owns each matrix: the costliest first, each to the least loaded rank so far (ties: the lowest),
     the same on every rank."""
-    loads, owners = [0.0] * ranks, [0] * len(costs)
+    loads, owners = [0] * ranks, [0] * len(costs)
     for k in sorted(range(len(costs)), key=lambda k: -costs[k]):
         owners[k] = min(range(ranks), key=lambda r: loads[r])
         loads[owners[k]] += costs[k]
-    return owners
+    return tuple(owners)
 
 
 def split_orthogonalize(updates: list[torch.Tensor], rows: list[int], steps: list[int], group,
                         dtype: torch.dtype) -> list[torch.Tensor]:
     """NS of the matrices of sharded updates (each [..., local rows, columns] of a parameter with `rows` rows per
     matrix, sharded over `group`), each matrix whole on one rank: this rank's rows of every result."""
-    ranks, me = dist.get_world_size(group), dist.get_rank(group)
     shapes = [u.shape for u in updates]
     updates = [u.to(dtype).reshape(math.prod(u.shape[:-2]), *u.shape[-2:]) for u in updates]   # in NS's dtype
-    counts = [row_counts(r, ranks) for r in rows]
-    matrices = [(i, b) for i, u in enumerate(updates) for b in range(u.shape[0])]
-    owners = deal([rows[i] * updates[i].shape[-1] * min(rows[i], updates[i].shape[-1]) for i, _ in matrices], ranks)
-    owned = [[m for m, owner in zip(matrices, owners) if owner == rank] for rank in range(ranks)]
+    dealt = Dealt(updates, rows, dist.get_world_size(group), dist.get_rank(group))
+    done = orthogonalize_each(dealt.gather(updates, group), [steps[i] for i, _ in dealt.owned[dealt.me]])
+    return [result.view(shape) for result, shape in zip(dealt.scatter(done, updates, group), shapes)]
 
-    def size(i, rank):   # elements of rank's rows of one matrix of update i
-        return counts[i][rank] * updates[i].shape[-1]
-    there = [sum(size(i, me) for i, _ in owned[rank]) for rank in range(ranks)]   # my rows of each rank's matrices
-    here = [sum(size(i, rank) for i, _ in owned[me]) for rank in range(ranks)]   # each rank's rows of mine
-    sent = flat([updates[i][b] for rank in range(ranks) for i, b in owned[rank]], updates[0])
-    received = exchange(sent, here, there, group)
-    pieces = iter(received.split([size(i, rank) for rank in range(ranks) for i, _ in owned[me]]))
-    by_rank = [[next(pieces).view(-1, updates[i].shape[-1]) for i, _ in owned[me]] for _ in range(ranks)]
-    whole = [torch.cat([by_rank[rank][k] for rank in range(ranks)]) for k in range(len(owned[me]))]
-    done = orthogonalize_each(whole, [steps[i] for i, _ in owned[me]])
-    back = flat([done[k][sum(counts[i][:rank]):sum(counts[i][:rank + 1])]
-                 for rank in range(ranks) for k, (i, _) in enumerate(owned[me])], updates[0])
-    returned = exchange(back, there, here, group).split([size(i, me) for rank in range(ranks) for i, _ in owned[rank]])
-    returned = iter(returned)
-    results = [torch.empty_like(u) for u in updates]
-    for rank in range(ranks):
-        for i, b in owned[rank]:
-            results[i][b] = next(returned).view(results[i][b].shape)
-    return [result.view(shape) for result, shape in zip(results, shapes)]
+
+class Dealt:
+    """Matrices (i, b), matrix b of update i [matrices, local rows, columns], dealt out over a shard group: `owned`,
+    each rank's; `counts[i]`, the rows of update i's matrices each rank holds."""
+
+    def __init__(self, updates: list[torch.Tensor], rows: list[int], ranks: int, me: int):
+        self.ranks, self.me, self.columns = ranks, me, [u.shape[-1] for u in updates]
+        self.counts = [row_counts(r, ranks) for r in rows]
+        matrices = [(i, b) for i, u in enumerate(updates) for b in range(u.shape[0])]
+        owners = deal(tuple(rows[i] * self.columns[i] * min(rows[i], self.columns[i]) for i, _ in matrices), ranks)
+        self.owned = [[m for m, owner in zip(matrices, owners) if owner == rank] for rank in range(ranks)]
+
+    def size(self, i: int, rank: int) -> int:
+        """Elements of rank's rows of one matrix of update i."""
+        return self.counts[i][rank] * self.columns[i]
+
+    def gather(self, updates: list[torch.Tensor], group) -> list[torch.Tensor]:
+        """The matrices this rank owns, whole: every rank's rows of them, by one all-to-all."""
+        ranks, mine = range(self.ranks), self.owned[self.me]
+        sent = flat([updates[i][b] for rank in ranks for i, b in self.owned[rank]], updates[0])
+        received = exchange(sent, [sum(self.size(i, rank) for i, _ in mine) for rank in ranks],
+                            [sum(self.size(i, self.me) for i, _ in self.owned[rank]) for rank in ranks], group)
+        pieces = iter(received.split([self.size(i, rank) for rank in ranks for i, _ in mine]))
+        by_rank = [[next(pieces).view(-1, self.columns[i]) for i, _ in mine] for _ in ranks]
+        return [torch.cat([by_rank[rank][k] for rank in ranks]) for k in range(len(mine))]
+
+    def scatter(self, done: list[torch.Tensor], updates: list[torch.Tensor], group) -> list[torch.Tensor]:
+        """Each rank its rows of the owned matrices' results `done`, by one all-to-all: this rank's rows of every
+        matrix, shaped as `updates`."""
+        ranks, mine = range(self.ranks), self.owned[self.me]
+        first = [[sum(counts[:rank]) for rank in ranks] for counts in self.counts]   # each rank's first row
+        back = flat([done[k][first[i][rank]:first[i][rank] + self.counts[i][rank]]
+                     for rank in ranks for k, (i, _) in enumerate(mine)], updates[0])
+        returned = exchange(back, [sum(self.size(i, self.me) for i, _ in self.owned[rank]) for rank in ranks],
+                            [sum(self.size(i, rank) for i, _ in mine) for rank in ranks], group)
+        pieces = iter(returned.split([self.size(i, self.me) for rank in ranks for i, _ in self.owned[rank]]))
+        results = [torch.empty_like(u) for u in updates]
+        for rank in ranks:
+            for i, b in self.owned[rank]:
+                results[i][b] = next(pieces).view(results[i][b].shape)
+        return results
 
 
 def flat(tensors: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
