@@ -219,8 +219,9 @@ def micro_batches_per_rank(args, parallel: Parallel) -> int:
 
 def prepare_step(args, parallel: Parallel, device: torch.device, model) -> tuple:
     """What a built model needs before its first step: what it recomputes (--recompute), its dense stages compiled
-    (--compile; by default on CUDA without context parallelism), the optimizer (--optimizer), the FP8 weight cache under --fp8 and the
-    step's CUDA graph (step_graph); -> (optimizer, graph or None)."""
+    (--compile; by default on CUDA without context parallelism), the optimizer (--optimizer: AdamW, or Muon for the
+    hidden matrices), the FP8 weight cache under --fp8 and the step's CUDA graph (step_graph); -> (optimizer, graph
+    or None)."""
     recompute_stages(model, args.recompute)   # before the compile, which then compiles the recomputed stages
     if args.compile if args.compile is not None else device.type == "cuda" and parallel.cp == 1:
         compile_stages(model)
@@ -554,7 +555,7 @@ def restore(path: Path, model, optimizer, cfg, batches: dict, folder, parallel: 
         require(meta.get("optimizer", "adamw") == kind, f"checkpoint '{path}' was trained with --optimizer "
                 f"{meta.get('optimizer')}, not {kind}: resume with it, or start a new run from its weights: --init {path}")
         meta = checkpoint.load(path, model, optimizer)
-        trained = int(next(iter(optimizer.state.values()))["step"])   # AdamW counts the steps the run took
+        trained = int(next(iter(optimizer.state.values()))["step"])   # the optimizer counts the steps the run took
         if trained != meta["step"]:
             raise checkpoint.CheckpointError(f"checkpoint '{path}' is damaged: its meta.json names step {meta['step']}, "
                                              f"its optimizer state step {trained}")

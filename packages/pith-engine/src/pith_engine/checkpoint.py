@@ -9,9 +9,9 @@ and export with pith_apps.hf_checkpoint.save_hf). No name has a parallel prefix.
 weights, optimizer state). Each rank hands DCP the tensors it holds, FSDP shards as DTensors, so DCP writes every
 element once and a later load under another layout reads the pieces it needs. The optimizer's state tensors follow
 their parameters (AdamW's optimizer.<name>.exp_avg / exp_avg_sq, Muon's optimizer.<name>.momentum_buffer); the step
-counter, the aux-free expert biases and the
-global RNG state (one, as DCP keeps one copy of a plain tensor: every rank gets rank 0's back; the app draws
-from explicit generators) ride along, and meta.json holds what is not a tensor.
+counter, the aux-free expert biases and the global RNG state (one, as DCP keeps one copy of a plain tensor: every
+rank gets rank 0's back; the app draws from explicit generators) ride along, and meta.json holds what is not a
+tensor.
 
 A save writes step-N.tmp/, then each rank sums the size and CRC-32 of the files it wrote, rank 0 checks that it sees
 them all (--out must be one folder for every node) and records them in meta.json (and meta.json's own), renames the folder to step-N/ and points the `latest` file at it (each rename one atomic step): a crash
