@@ -29,11 +29,14 @@ the convention of Megatron-LM and PaLM; the app's table by the GPU's name, or --
   ... --fp8-convergence [--steps 300] [--lr 1e-4] [--accum 1]: our mixed-precision loss on Markov text (a fixed
       random chain over byte tokens, new text each step, its entropy rate the floor) with and without --fp8, from
       the same weights
+  ... --optimizer-convergence [--steps 300] [--lrs 1e-3 3e-3 1e-2]: the same with AdamW and with Muon at each learning
+      rate, each optimizer's best
   ... --peak-tflops P: the data-sheet peak of the second MFU column, TFLOP/s per GPU
   ... --lift-fla-guard: both sides run fla-core's delta rule (Qwen3.5) on a Hopper GPU with Triton 3.4-3.7.0, which
       it refuses (bench/gated_delta.py's lift_fla_hopper_guard)
 
-Writes $OUT/train_throughput.json (or parity.json, sdpa_check.json, grads.json, fp8_convergence.json) when OUT is
+Writes $OUT/train_throughput.json (or parity.json, sdpa_check.json, grads.json, fp8_convergence.json,
+optimizer_convergence.json) when OUT is
 set.
 """
 import argparse
@@ -122,7 +125,7 @@ def pith_setup(c: dict, preset: dict, hf_weights: str | None = None):
                            str(c["accum"]), "--micro-batch-size", "1", "--device", c["device"], "--save-every", "0",
                            "--lr", str(c["lr"]), "--weight-decay", "0"]
                           + ([] if c.get("cuda_graph", True) else ["--no-cuda-graph"]) + (["--fp8"] if c.get("fp8") else [])
-                          + ["--recompute", c.get("recompute", "none")])
+                          + ["--recompute", c.get("recompute", "none"), "--optimizer", c.get("optimizer", "adamw")])
         check_args(args)
         cfg, model_cls = model_config(args), MODELS[args.model][1]
     parallel, device = layout(args)
@@ -426,6 +429,31 @@ def fp8_convergence(args) -> dict:
     return dict(rows=rows)
 
 
+def optimizer_convergence(args) -> dict:
+    """Per family: the app's step (mixed precision) with AdamW and with Muon (--optimizer muon) at each of args.lrs,
+    from the same initial weights on the same batches of Markov text, args.steps steps (default 300), each run in its
+    own process; per optimizer the learning rate whose mean loss over the last 10 steps is lowest, and that loss."""
+    rows = []
+    for family in args.families:
+        base = dict(side="pith", family=family, preset=args.preset or REAL[family], layers=args.layers, seq=args.seq,
+                    steps=args.steps or 300, accum=args.accum[0], device=args.device, precision="mixed", data="markov")
+        row = dict(base, ends={})
+        for optimizer in ("adamw", "muon"):
+            for lr in args.lrs:
+                run = isolated(base | dict(optimizer=optimizer, lr=lr))
+                row["ends"][f"{optimizer} {lr:g}"] = (round(sum(run["losses"][-10:]) / 10, 4) if "losses" in run
+                                                      else run.get("error"))
+                row["floor"] = run.get("floor", row.get("floor"))
+        for optimizer in ("adamw", "muon"):
+            ends = {key: end for key, end in row["ends"].items() if key.startswith(optimizer) and isinstance(end, float)}
+            if ends:
+                best = min(ends, key=ends.get)
+                row[f"best_{optimizer}"] = dict(lr=float(best.split()[1]), end=ends[best])
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return dict(rows=rows)
+
+
 def grads_check(args) -> dict:
     rows = []
     for family in args.families:
@@ -474,6 +502,10 @@ def main():
                         help="each of our configurations under each of these --recompute modes (default: none)")
     parser.add_argument("--fp8-convergence", action="store_true", help="our loss over --steps (default 300) steps of "
                         "Markov text at --lr with and without --fp8")
+    parser.add_argument("--optimizer-convergence", action="store_true", help="our loss over --steps (default 300) "
+                        "steps of Markov text with AdamW and with Muon at each of --lrs")
+    parser.add_argument("--lrs", nargs="+", type=float, default=[1e-3, 3e-3, 1e-2], help="the optimizer convergence "
+                        "runs' learning rates (default 1e-3 3e-3 1e-2)")
     parser.add_argument("--grads", action="store_true", help="gradients, tensor by tensor, against transformers'")
     parser.add_argument("--peak-tflops", type=float, help="the data-sheet dense bf16 peak per GPU for the second MFU "
                         "column (default: the app's by the GPU's name, 989 for H100 / H200; none on a CPU)")
@@ -488,6 +520,7 @@ def main():
     name, result = (("parity", parity(args)) if args.parity else ("sdpa_check", sdpa_check(args)) if args.sdpa_check
                     else ("grads", grads_check(args)) if args.grads
                     else ("fp8_convergence", fp8_convergence(args)) if args.fp8_convergence
+                    else ("optimizer_convergence", optimizer_convergence(args)) if args.optimizer_convergence
                     else ("train_throughput", throughput_table(args)))
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], f"{name}.json").write_text(json.dumps(result, indent=1))

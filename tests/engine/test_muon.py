@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 import pith_engine.muon as muon_module
+from comm_order import Recorder, replay
 from distributed import run_on_processes
 from pith_engine.data_parallel import grad_norm
 from pith_engine.muon import Muon, muon, row_counts
@@ -190,7 +191,11 @@ def sharded_steps(rank, world, mesh_shape, out):
     for step in range(2):
         for name, p in model.named_parameters():
             p.grad = distribute_tensor(gradients(model, step, 0.01)[name], mesh, placements(p))
-        clipped_step(optimizer, grad_norm(model.parameters()) / math.sqrt(world // mesh_shape[-1]), 1.0)
+        norm = grad_norm(model.parameters()) / math.sqrt(world // mesh_shape[-1])
+        with Recorder() as recorder:   # the step's own communication: the deal's all-to-alls
+            clipped_step(optimizer, norm, 1.0)
+        report = replay(recorder.gathered())
+        assert report is None and sum(op.kind == "all_to_all_single" for op in recorder.ops) == 2, report
     full = {name: p.full_tensor() for name, p in model.named_parameters()}
     torch.save(dict(weights=full, counts=counts), out / f"{rank}.pt")
 
@@ -199,7 +204,8 @@ def sharded_steps(rank, world, mesh_shape, out):
 def test_sharded_matrices_are_dealt_out_and_the_step_is_the_one_process_step(mesh_shape, tmp_path):
     """Each of the 7 matrices (wide, tall, the single row, 4 experts) orthogonalized whole by one rank of its shard
     group (in each replica), each rank a share by NS cost, the counts adding up to 7 per step in each replica; the
-    weights after 2 steps within 1e-6 of one process's (the same matrices, gathered exactly)."""
+    weights after 2 steps within 1e-6 of one process's (the same matrices, gathered exactly); each step's
+    all-to-alls, recorded on every rank, complete when replayed under NCCL's rules (tests/comm_order.py)."""
     world = math.prod(mesh_shape)
     run_on_processes(world, sharded_steps, mesh_shape, tmp_path)
     expected = one_process_steps()
