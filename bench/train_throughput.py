@@ -21,6 +21,7 @@ the convention of Megatron-LM and PaLM; the app's table by the GPU's name, or --
     python3 bench/train_throughput.py [--families qwen3] [--accum 1 8] [--precision bf16 mixed] [--repeats 2]
         [--sides pith] [--profile] [--no-cuda-graph] [--fp8]   (--fp8: each of our rows also with the app's --fp8)
         [--recompute none selective full]   (each of our rows under each activation-recompute mode)
+        [--optimizer adamw muon]   (each of our rows with each optimizer)
   ... --parity [--precision mixed] [--lr 1e-4]: from the same transformers weights, our loss over 20 AdamW
       steps on the bundled corpus (byte tokens) against transformers'
   ... --sdpa-check: transformers alone, and after one call of our causal attention in its process
@@ -320,10 +321,11 @@ def configurations(args) -> list[dict]:
     base = dict(layers=args.layers, seq=args.seq, device=args.device, lr=1e-4, profile=args.profile,
                 cuda_graph=args.cuda_graph)
     return [base | dict(side=side, family=family, preset=args.preset or REAL[family], accum=accum, precision=precision,
-                        steps=args.steps or 2 + 6 * -(-8 // accum), fp8=fp8, recompute=recompute)
+                        steps=args.steps or 2 + 6 * -(-8 // accum), fp8=fp8, recompute=recompute, optimizer=optimizer)
             for family in args.families for precision in args.precision for accum in args.accum
             for side in args.sides for fp8 in ((False, True) if args.fp8 and side == "pith" else (False,))
-            for recompute in (args.recompute if side == "pith" else ["none"])]
+            for recompute in (args.recompute if side == "pith" else ["none"])
+            for optimizer in (args.optimizer if side == "pith" else ["adamw"])]
 
 
 def peaks(args) -> dict:
@@ -363,7 +365,8 @@ def print_table(rows: list[dict], peak: dict):
         theirs = next((t for t in rows if t["side"] == "hf" and all(t.get(k) == r.get(k) for k in
                                                                        ("family", "precision", "accum", "repeat"))), {})
         precision = r["precision"] + ("+fp8" if r.get("fp8") else "") + \
-            (f"+{r['recompute']}" if r.get("recompute", "none") != "none" else "")
+            (f"+{r['recompute']}" if r.get("recompute", "none") != "none" else "") + \
+            (f"+{r['optimizer']}" if r.get("optimizer", "adamw") != "adamw" else "")
         if "error" in r or "error" in theirs:
             print(f"{r['family']:<12} {precision:<10} {r['accum']:>5}  error: {r.get('error') or theirs['error']}")
             continue
@@ -500,6 +503,8 @@ def main():
     parser.add_argument("--fp8", action="store_true", help="each of our configurations also with the app's --fp8")
     parser.add_argument("--recompute", nargs="+", default=["none"], choices=["none", "selective", "full"],
                         help="each of our configurations under each of these --recompute modes (default: none)")
+    parser.add_argument("--optimizer", nargs="+", default=["adamw"], choices=["adamw", "muon"],
+                        help="each of our configurations with each of these --optimizer (default: adamw)")
     parser.add_argument("--fp8-convergence", action="store_true", help="our loss over --steps (default 300) steps of "
                         "Markov text at --lr with and without --fp8")
     parser.add_argument("--optimizer-convergence", action="store_true", help="our loss over --steps (default 300) "

@@ -57,6 +57,16 @@ def test_our_rows_under_each_recompute_mode_each_in_its_own_process(tmp_path):
     assert rows[0]["losses"] == rows[1]["losses"] == rows[2]["losses"] and len(rows[0]["losses"]) == 3, rows
 
 
+def test_our_rows_with_each_optimizer_each_in_its_own_process(tmp_path):
+    """--optimizer adamw muon: one row of ours per optimizer, each in its own process, the first step's loss the
+    same (the same weights, before any update), the third not (two other updates: 5.5711 and 5.5722 seen)."""
+    drive(tmp_path, "--steps", "3", "--accum", "2", "--precision", "mixed", "--sides", "pith", "--optimizer", "adamw",
+          "muon")
+    rows = json.loads((tmp_path / "train_throughput.json").read_text())["rows"]
+    assert [r["optimizer"] for r in rows] == ["adamw", "muon"] and len({r["pid"] for r in rows}) == 2
+    assert rows[0]["losses"][0] == rows[1]["losses"][0] and rows[0]["losses"][2] != rows[1]["losses"][2], rows
+
+
 def test_parity_mode_the_app_follows_transformers_from_the_same_weights(tmp_path):
     drive(tmp_path, "--parity", "--precision", "mixed")
     (row,) = json.loads((tmp_path / "parity.json").read_text())["rows"]
