@@ -149,6 +149,9 @@ def test_every_command_is_run_or_says_why_not():
     SKILL.md's line reads it from that file (its source names the SKILL.md); the suite's lines name test paths
     pytest collects, and `hatch test` itself is what .ci/run runs."""
     verdicts = {line: verdict(line) for line in LINES}
+    for line, kind in verdicts.items():   # each line to run is one hatch runs: a script or program of its apps env
+        if kind in ("run", "template"):
+            expand(line)
     assert not set(ELSEWHERE) - set(LINES), set(ELSEWHERE) - set(LINES)
     for script, test in BY_TEST.items():
         given = [line for line in LINES if script in line]
