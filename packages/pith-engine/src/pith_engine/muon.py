@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from pith_engine.data_parallel import is_sharded, local_part
+from pith_engine.moe import all_to_all
 from pith_engine.optim import AdamW, clip_flags, count_step, decay_groups
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -54,18 +55,13 @@ class Muon(AdamW):
     muon=True, which hold `momentum`, `nesterov` and `ns_steps` (muon() makes both kinds). A Muon parameter's state is
     its step count and momentum_buffer (fp32, sharded as the parameter)."""
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:   # as torch's: the closure computes the gradients this step uses
-            with torch.enable_grad():
-                loss = closure()
+    def update(self):
+        """AdamW.step's work: the AdamW groups through its path, then the Muon groups."""
         self.adamw_step([group for group in self.param_groups if not group.get("muon")])
         with_grads = [(p, group) for group in self.param_groups if group.get("muon") for p in group["params"]
                       if p.grad is not None]
         if with_grads:
             self.muon_step(with_grads)
-        return loss
 
     def state_of(self, param: torch.Tensor) -> dict:
         """The parameter's state (made on first use), AdamW's or Muon's."""
@@ -185,8 +181,8 @@ class Dealt:
         """The matrices this rank owns, whole: every rank's rows of them, by one all-to-all."""
         ranks, mine = range(self.ranks), self.owned[self.me]
         sent = flat([updates[i][b] for rank in ranks for i, b in self.owned[rank]], updates[0])
-        received = exchange(sent, [sum(self.size(i, rank) for i, _ in mine) for rank in ranks],
-                            [sum(self.size(i, self.me) for i, _ in self.owned[rank]) for rank in ranks], group)
+        received = all_to_all(sent, [sum(self.size(i, self.me) for i, _ in self.owned[rank]) for rank in ranks],
+                              [sum(self.size(i, rank) for i, _ in mine) for rank in ranks], group)
         pieces = iter(received.split([self.size(i, rank) for rank in ranks for i, _ in mine]))
         by_rank = [[next(pieces).view(-1, self.columns[i]) for i, _ in mine] for _ in ranks]
         return [torch.cat([by_rank[rank][k] for rank in ranks]) for k in range(len(mine))]
@@ -198,8 +194,8 @@ class Dealt:
         first = [[sum(counts[:rank]) for rank in ranks] for counts in self.counts]   # each rank's first row
         back = flat([done[k][first[i][rank]:first[i][rank] + self.counts[i][rank]]
                      for rank in ranks for k, (i, _) in enumerate(mine)], updates[0])
-        returned = exchange(back, [sum(self.size(i, self.me) for i, _ in self.owned[rank]) for rank in ranks],
-                            [sum(self.size(i, rank) for i, _ in mine) for rank in ranks], group)
+        returned = all_to_all(back, [sum(self.size(i, rank) for i, _ in mine) for rank in ranks],
+                              [sum(self.size(i, self.me) for i, _ in self.owned[rank]) for rank in ranks], group)
         pieces = iter(returned.split([self.size(i, self.me) for rank in ranks for i, _ in self.owned[rank]]))
         results = [torch.empty_like(u) for u in updates]
         for rank in ranks:
@@ -222,13 +218,6 @@ def orthogonalize_each(whole: list[torch.Tensor], steps: list[int]) -> list[torc
         for k, result in zip(ks, orthogonalize(torch.stack([whole[k] for k in ks]), count, whole[ks[0]].dtype)):
             done[k] = result
     return done
-
-
-def exchange(sent: torch.Tensor, received_sizes: list[int], sent_sizes: list[int], group) -> torch.Tensor:
-    """One all-to-all over group: sent_sizes[r] elements of `sent` to rank r, received_sizes[r] from it."""
-    received = sent.new_empty(sum(received_sizes))
-    dist.all_to_all_single(received, sent, received_sizes, sent_sizes, group=group)
-    return received
 
 
 def muon(model: torch.nn.Module, matrices: list[torch.Tensor], lr: float, weight_decay: float, momentum: float = 0.95,

@@ -44,8 +44,12 @@ class AdamW(torch.optim.AdamW):
         if closure is not None:   # as torch's: the closure computes the gradients this step uses
             with torch.enable_grad():
                 loss = closure()
-        self.adamw_step(self.param_groups)
+        self.update()
         return loss
+
+    def update(self):
+        """The step's work on the gradients at hand (Muon steps some groups its own way)."""
+        self.adamw_step(self.param_groups)
 
     def adamw_step(self, groups: list[dict]):
         """The AdamW step of these param groups only (Muon steps its own groups, and these through this)."""
