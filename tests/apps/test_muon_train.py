@@ -58,18 +58,24 @@ def layer_kind(name: str) -> str:
 
 @pytest.mark.parametrize("family", list(MODELS))
 def test_each_family_gives_muon_its_hidden_matrices_and_adamw_the_rest(family):
-    """The tiny preset through the app's prepare_step under --optimizer muon: Muon's group holds exactly the listed
-    matrices of every layer (each a batch of matrices: 2-d, or an expert stack [experts, rows, columns]), decayed;
-    AdamW's two groups everything else."""
+    """The tiny preset through the app's prepare_step under --optimizer muon: Muon's groups hold exactly the listed
+    matrices of every layer (each a batch of matrices: 2-d, or an expert stack [experts, rows, columns]), decayed,
+    the experts' gate_up_proj in the group that splits their rows (not GPT-OSS's); AdamW's two groups the rest."""
     args = parse_args([family, "--optimizer", "muon", "--weight-decay", "0.1"])
     model = MODELS[family][1](train_app.model_config(args), Parallel())
     optimizer, graph = train_app.prepare_step(args, Parallel(), torch.device("cpu"), model)
     assert isinstance(optimizer, Muon) and graph is None
     names = {id(p): name for name, p in model.named_parameters()}
-    muon_group, *adamw_groups = optimizer.param_groups
-    assert muon_group["muon"] and muon_group["weight_decay"] == 0.1 and not any(g.get("muon") for g in adamw_groups)
-    assert (muon_group["momentum"], muon_group["nesterov"], muon_group["ns_steps"]) == (0.95, True, 5)
-    on_muon = [names[id(p)] for p in muon_group["params"]]
+    muon_groups = [group for group in optimizer.param_groups if group.get("muon")]
+    adamw_groups = optimizer.param_groups[len(muon_groups):]
+    for group in muon_groups:
+        assert (group["weight_decay"], group["momentum"], group["nesterov"], group["ns_steps"]) == (0.1, 0.95, True, 5)
+    # the experts' gate and up halves orthogonalized apart, where the Hugging Face files hold them apart (not
+    # GPT-OSS's, one tensor there)
+    halves = [layer_kind(names[id(p)]) for group in muon_groups if group["split"] == "halves" for p in group["params"]]
+    assert set(halves) == (set() if family == "gpt_oss" else {"mlp.experts.gate_up_proj"})
+    assert [group["split"] for group in muon_groups] == ["whole"] + ([] if family == "gpt_oss" else ["halves"])
+    on_muon = [names[id(p)] for group in muon_groups for p in group["params"]]
     on_adamw = [names[id(p)] for group in adamw_groups for p in group["params"]]
     assert sorted(set(map(layer_kind, on_muon))) == sorted(MUON[family])
     assert sorted(set(map(layer_kind, on_adamw))) == sorted(ADAMW[family] + OUTSIDE_LAYERS)

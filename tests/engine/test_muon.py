@@ -28,28 +28,46 @@ def newton_schulz(g: torch.Tensor, steps: int) -> torch.Tensor:
     return x.T if tall else x
 
 
-def reference_step(weight, grad, buffer, lr, weight_decay, momentum, nesterov, steps):
+def split_newton_schulz(update: torch.Tensor, steps: int, split: str) -> torch.Tensor:
+    """newton_schulz of each matrix of a batch [..., rows, columns], by a loop over them; split "halves": the first
+    and second half of each matrix's rows each a matrix."""
+    out = torch.empty_like(update)
+    for index in torch.cartesian_prod(*[torch.arange(n) for n in update.shape[:-2]]).view(-1, update.ndim - 2):
+        index, rows = tuple(index.tolist()), update.shape[-2]
+        parts = [slice(None)] if split == "whole" else [slice(0, rows // 2), slice(rows // 2, rows)]
+        for part in parts:
+            out[index][part] = newton_schulz(update[index][part], steps)
+    return out
+
+
+def reference_step(weight, grad, buffer, lr, weight_decay, momentum, nesterov, steps, split="whole"):
     """One Muon step of a batch of matrices [..., rows, columns], each matrix on its own -> (weight, buffer)."""
     buffer = momentum * buffer + grad
     update = grad + momentum * buffer if nesterov else buffer
-    matrices = update.reshape(-1, *update.shape[-2:])
-    orthogonal = torch.stack([newton_schulz(m, steps) for m in matrices]).view(update.shape)
-    scale = 0.2 * math.sqrt(max(weight.shape[-2:]))
+    orthogonal = split_newton_schulz(update.reshape(-1, *update.shape[-2:]), steps, split).view(update.shape)
+    rows = weight.shape[-2] // (1 if split == "whole" else 2)
+    scale = 0.2 * math.sqrt(max(rows, weight.shape[-1]))
     return weight * (1 - lr * weight_decay) - lr * scale * orthogonal, buffer
 
 
 class Toy(torch.nn.Module):
-    """Matrices wide and tall, one of a single row, an expert stack, and a bias and a norm for AdamW."""
+    """Matrices wide and tall, one of a single row, an expert stack, two stacks of matrices of two halves (a gate
+    and an up projection stacked; one wide, one tall), and a bias and a norm for AdamW."""
+    SPLITS = dict(wide="whole", tall="whole", row="whole", experts="whole", halves="halves", tall_halves="halves")
 
     def __init__(self):
         super().__init__()
         generator = torch.Generator().manual_seed(0)
-        shapes = dict(wide=(5, 12), tall=(12, 4), row=(1, 6), experts=(4, 6, 8), bias=(7,), norm=(6,))
+        shapes = dict(wide=(5, 12), tall=(12, 4), row=(1, 6), experts=(4, 6, 8), halves=(3, 6, 8),
+                      tall_halves=(2, 12, 4), bias=(7,), norm=(6,))
         for name, shape in shapes.items():
             self.register_parameter(name, torch.nn.Parameter(torch.randn(shape, generator=generator)))
 
-    def matrices(self):
-        return [self.wide, self.tall, self.row, self.experts]
+    def matrices(self) -> dict:
+        by_split = {}
+        for name, split in self.SPLITS.items():
+            by_split.setdefault(split, []).append(self.get_parameter(name))
+        return by_split
 
 
 def gradients(model, step: int, scale: float = 1.0) -> dict:
@@ -57,14 +75,19 @@ def gradients(model, step: int, scale: float = 1.0) -> dict:
     return {name: scale * torch.randn(p.shape, generator=generator) for name, p in model.named_parameters()}
 
 
+@pytest.mark.parametrize("use_kernel", [False, True], ids=["torch ops", "pith_ops kernels"])
 @pytest.mark.parametrize("nesterov", [True, False])
-def test_two_steps_equal_the_formulas_and_the_rest_steps_as_adamw(nesterov):
+def test_two_steps_equal_the_formulas_and_the_rest_steps_as_adamw(nesterov, use_kernel):
     """Two clipped steps (gradients of norm ~20 clipped to 1: the clip's scale is inside the step): each matrix
-    within 2e-6 of the reference (float32 rounding of the iteration), its momentum buffer within 1e-6; the bias and
-    norm exactly as adamw() steps them with the same clip."""
+    within 2e-6 of the reference (float32 rounding of the iteration), its momentum buffer within 1e-6, the matrices
+    of two projections stacked (halves) each orthogonalized alone; the bias and norm exactly as adamw() steps
+    them with the same clip. Both ways of the momentum and update passes: torch ops (CPU) and pith_ops' kernels
+    (CUDA's; here the Triton interpreter)."""
     model, plain = Toy(), Toy()
     optimizer = muon(model, model.matrices(), lr=0.02, weight_decay=0.1, momentum=0.9, nesterov=nesterov, ns_steps=5)
+    optimizer.use_kernel = use_kernel
     others = adamw(torch.nn.ParameterDict(dict(bias=plain.bias, norm=plain.norm)), lr=0.02, weight_decay=0.1)
+    others.use_kernel = use_kernel
     buffers = {name: torch.zeros_like(p) for name, p in plain.named_parameters()}
     for step in range(2):
         for (name, p), q in zip(model.named_parameters(), plain.parameters()):
@@ -74,10 +97,10 @@ def test_two_steps_equal_the_formulas_and_the_rest_steps_as_adamw(nesterov):
         clipped_step(optimizer, norm, 1.0)
         clipped_step(others, norm, 1.0)
         with torch.no_grad():
-            for name in ("wide", "tall", "row", "experts"):
+            for name, split in Toy.SPLITS.items():
                 weight = getattr(plain, name)
                 new, buffers[name] = reference_step(weight, weight.grad / (norm + 1e-6), buffers[name], 0.02, 0.1, 0.9,
-                                                    nesterov, 5)
+                                                    nesterov, 5, split)
                 weight.copy_(new)
     assert norm.item() > 10
     for name, p in model.named_parameters():
@@ -113,9 +136,11 @@ def test_the_orthogonalized_update_has_singular_values_near_1_and_the_rms_of_ada
                           torch.stack([newton_schulz(m, 5) for m in stack]), rtol=0, atol=2e-6)
 
 
-def test_a_non_finite_gradient_norm_leaves_weights_momentum_and_step_count_as_they_were():
+@pytest.mark.parametrize("use_kernel", [False, True], ids=["torch ops", "pith_ops kernels"])
+def test_a_non_finite_gradient_norm_leaves_weights_momentum_and_step_count_as_they_were(use_kernel):
     model = Toy()
     optimizer = muon(model, model.matrices(), lr=0.02, weight_decay=0.1)
+    optimizer.use_kernel = use_kernel
     for name, p in model.named_parameters():
         p.grad = gradients(model, 0)[name]
     clipped_step(optimizer, grad_norm(model.parameters()), 1.0)
@@ -128,19 +153,21 @@ def test_a_non_finite_gradient_norm_leaves_weights_momentum_and_step_count_as_th
         assert all(torch.equal(optimizer.state[p][k], v) for k, v in before.items())
 
 
-def test_the_step_never_waits_for_the_host():
+@pytest.mark.parametrize("use_kernel", [False, True], ids=["torch ops", "pith_ops kernels"])
+def test_the_step_never_waits_for_the_host(use_kernel):
     """What a CUDA graph of the step needs (StepGraph): Muon's step, clip and skip included, calls no aten op that
     would wait for the host on CUDA (tests/engine/test_host_syncs.py's count), on its first step (state made) and
     after."""
     from test_host_syncs import HostSyncs
     model = Toy()
     optimizer = muon(model, model.matrices(), lr=torch.tensor(0.02), weight_decay=0.1)
+    optimizer.use_kernel = use_kernel
     optimizer.param_groups = [group for group in optimizer.param_groups if group.get("muon")]   # Muon's path alone
     for step in range(2):
         for name, p in model.named_parameters():
             p.grad = gradients(model, step)[name]
         with HostSyncs() as syncs:
-            clipped_step(optimizer, grad_norm(model.matrices()), 1.0, torch.tensor(0.02))
+            clipped_step(optimizer, grad_norm([p for ps in model.matrices().values() for p in ps]), 1.0, torch.tensor(0.02))
         assert syncs.calls == []
 
 
@@ -156,9 +183,9 @@ def counting_orthogonalize(counts: list):
     """muon_module.orthogonalize, appending the number of matrices of each call to counts."""
     real = muon_module.orthogonalize
 
-    def counting(update, steps, dtype):
+    def counting(update, *args):
         counts.append(update.reshape(-1, *update.shape[-2:]).shape[0])
-        return real(update, steps, dtype)
+        return real(update, *args)
     return counting
 
 
@@ -202,8 +229,9 @@ def sharded_steps(rank, world, mesh_shape, out):
 
 @pytest.mark.parametrize("mesh_shape", [(2,), (4,), (2, 2)], ids=["2 ranks", "4 ranks", "2 replicas x 2 shards"])
 def test_sharded_matrices_are_dealt_out_and_the_step_is_the_one_process_step(mesh_shape, tmp_path):
-    """Each of the 7 matrices (wide, tall, the single row, 4 experts) orthogonalized whole by one rank of its shard
-    group (in each replica), each rank a share by NS cost, the counts adding up to 7 per step in each replica; the
+    """Each of the 12 matrices (wide, tall, the single row, 4 experts, 3 + 2 matrices of two projections each)
+    orthogonalized whole by one rank of its shard group (in each replica), each rank a share by NS cost, the counts
+    adding up to 12 per step in each replica; the
     weights after 2 steps within 1e-6 of one process's (the same matrices, gathered exactly); each step's
     all-to-alls, recorded on every rank, complete when replayed under NCCL's rules (tests/comm_order.py)."""
     world = math.prod(mesh_shape)
@@ -213,7 +241,7 @@ def test_sharded_matrices_are_dealt_out_and_the_step_is_the_one_process_step(mes
     shards = mesh_shape[-1]
     for replica in range(world // shards):
         counts = [sum(results[replica * shards + r]["counts"]) for r in range(shards)]
-        assert sum(counts) == 2 * 7 and max(counts) <= 2 * 4, counts   # 7 matrices, 2 steps
+        assert sum(counts) == 2 * 12 and max(counts) <= 2 * (12 // shards + 2), counts   # 12 matrices, 2 steps
         assert all(count > 0 for count in counts), counts
     for result in results:
         for name, p in expected.named_parameters():

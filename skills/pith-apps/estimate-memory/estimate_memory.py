@@ -160,7 +160,7 @@ def weight_elements(model: torch.nn.Module, layout: dict, compiled: bool) -> dic
     shards = layout["dp"] // layout.get("dp_replicate", 1)   # under HSDP a weight is sharded within a replica
     dense_shards, expert_shards = shards * layout["cp"] * layout["ep"], shards * layout["cp"]
     counts = dict(local=0, muon=0, gathered=0, root=0, fp8=[])
-    muon = {id(p) for p in hidden_matrices(model)}
+    muon = {id(p) for params in hidden_matrices(model).values() for p in params}
     for layer in model.model.layers.values():
         total = 0
         for name, param in layer.named_parameters():

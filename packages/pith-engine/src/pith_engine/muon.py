@@ -4,15 +4,20 @@ checkpoint).
 Muon's step of a matrix W (fp32 master) with gradient G (divided by clipped_step's grad_scale):
     B <- momentum * B + G;   U = G + momentum * B (Nesterov) or B;   O = NS(U)
     W <- W * (1 - lr * weight_decay) - lr * 0.2 * sqrt(max(rows, columns)) * O
-NS, the Newton-Schulz quintic iteration, takes U / |U|_F (transposed when it has more rows than columns, so that
-X X^T is the smaller Gram matrix) through X <- a X + (b A + c A^2) X with A = X X^T, `ns_steps` times: the
-coefficients (3.4445, -4.7750, 2.0315) push every singular value towards 1 in few steps without converging exactly,
-so O is about U's orthogonal factor. Its RMS is then about 1 / sqrt(max(rows, columns)); the factor 0.2 x
-sqrt(max(rows, columns)) (Moonlight's) brings it to the RMS of a typical AdamW update, so one learning rate and one
-weight decay serve both kinds of parameter. NS runs in bf16 on CUDA (as fast as it needs to be: O is approximate by
-design) and in fp32 on CPU. A tensor [..., rows, columns] is a batch of matrices (an expert stack: each expert's
-own). Like pith_engine.optim.AdamW, it reads the clip's grad_scale and found_inf on the device: no host sync, so a
-CUDA graph captures the step; where found_inf is set, weights, momentum and step count stay as they were.
+NS, the Newton-Schulz quintic iteration, takes U / |U|_F through X <- a X + (b A + c A^2) X with A = X X^T (for a
+matrix taller than wide the same map as X <- a X + X (b A + c A^2), A = X^T X: the smaller Gram matrix), `ns_steps`
+times: the coefficients (3.4445, -4.7750, 2.0315) push every singular value towards 1 in few steps without
+converging exactly, so O is about U's orthogonal factor. Its RMS is then about 1 / sqrt(max(rows, columns)); the
+factor 0.2 x sqrt(max(rows, columns)) (Moonlight's) brings it to the RMS of a typical AdamW update, so one learning
+rate and one weight decay serve both kinds of parameter. NS runs in bf16 on CUDA (as fast as it needs to be: O is
+approximate by design) and in fp32 on CPU. A tensor [..., rows, columns] is a batch of matrices (an expert stack:
+each expert's own), and a matrix whose rows stack two projections (a SwiGLU expert's gate_up_proj, where the Hugging
+Face files of Qwen3 and DeepSeek-V2 hold gate_proj and up_proj apart) is two, orthogonalized each on its own: NS's
+FLOPs are then 43% of the stacked matrix's for Qwen3-30B-A3B's experts, 68% for DeepSeek-V2-Lite's. GPT-OSS's files
+hold gate and up as one interleaved tensor, orthogonalized so (split, its square halves would cost 20% more). rows
+and columns are those of the matrices orthogonalized. Like pith_engine.optim.AdamW, it reads the clip's grad_scale
+and found_inf on the device: no host sync, so a CUDA graph captures the step; where found_inf is set, weights,
+momentum and step count stay as they were.
 
 Sharded weights. FSDP2 gives each rank some rows of each matrix (dense weights over dp x cp x ep, Shard(0); expert
 stacks over dp x cp, Shard(1): the rows of each expert's matrix), but NS needs the whole matrix. Rather than every
@@ -27,27 +32,44 @@ import math
 import torch
 import torch.distributed as dist
 
+from pith_ops.muon_update import muon_apply, muon_momentum
+
 from pith_engine.data_parallel import is_sharded, local_part
 from pith_engine.moe import all_to_all
 from pith_engine.optim import AdamW, clip_flags, count_step, decay_groups
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 RMS_MATCH = 0.2   # Moonlight: 0.2 x sqrt(max(rows, columns)) x O has about the RMS of an AdamW update
+SPLITS = ("whole", "halves")   # a matrix's rows as one matrix, or as two: the first and the second half (a SwiGLU
+#                                expert's gate and up projections)
 
 
-def orthogonalize(update: torch.Tensor, steps: int, dtype: torch.dtype) -> torch.Tensor:
-    """About the orthogonal factor of each matrix of update [..., rows, columns] by `steps` Newton-Schulz
-    iterations, computed (and returned) in dtype."""
-    x = update.to(dtype)
-    tall = x.shape[-2] > x.shape[-1]
-    if tall:   # the Gram matrix of the shorter side
-        x = x.mT
+def matrices_of(update: torch.Tensor, split: str) -> torch.Tensor:
+    """update [..., rows, columns] as the batch [n, r, c] of matrices NS orthogonalizes each on its own."""
+    if split == "halves":
+        update = update.unflatten(-2, (2, -1))
+    return update.reshape(-1, *update.shape[-2:])
+
+
+def matrix_shape(shape: torch.Size, split: str) -> tuple[int, int]:
+    """The rows and columns of each matrix NS orthogonalizes in a tensor of `shape`."""
+    return (shape[-2] if split == "whole" else shape[-2] // 2), shape[-1]
+
+
+def orthogonalize(update: torch.Tensor, steps: int, dtype: torch.dtype, split: str = "whole") -> torch.Tensor:
+    """About the orthogonal factor of each matrix of update [..., rows, columns] (split: SPLITS) by `steps`
+    Newton-Schulz iterations, computed (and returned, in update's layout) in dtype. Each A X + b X term is one
+    baddbmm (the sum in the GEMM's epilogue, not another pass); a tall matrix iterates as X (b A + c A^2), A = X^T X,
+    the same map without transposing it."""
+    x = matrices_of(update.to(dtype), split)
     x = x / (torch.linalg.matrix_norm(x, keepdim=True) + 1e-7)   # every singular value now at most 1
     a, b, c = NS_COEFFICIENTS
+    wide = x.shape[-2] <= x.shape[-1]
     for _ in range(steps):
-        gram = x @ x.mT
-        x = a * x + (b * gram + c * gram @ gram) @ x
-    return x.mT if tall else x
+        gram = torch.bmm(x, x.mT) if wide else torch.bmm(x.mT, x)
+        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.baddbmm(x, poly, x, beta=a) if wide else torch.baddbmm(x, x, poly, beta=a)
+    return x.view(update.shape)
 
 
 class Muon(AdamW):
@@ -75,46 +97,58 @@ class Muon(AdamW):
     def muon_step(self, with_grads: list[tuple[torch.Tensor, dict]]):
         """Momentum, NS and the update of each parameter: a whole one at once (so that only one parameter's
         temporaries are alive at a time), sharded ones by shard group, one group after another in the order the
-        parameters first name them (the same on every rank of a group, as its collectives need)."""
+        parameters first name them (the same on every rank of a group, as its collectives need). On CUDA (or with
+        use_kernel) the momentum and the update are pith_ops' one-pass kernels; elsewhere torch ops."""
         device = with_grads[0][0].device
-        grad_scale, found_inf = clip_flags(self, device)
-        skipped = found_inf != 0
+        flags = clip_flags(self, device)
         states = [self.state_of(p) for p, _ in with_grads]
-        count_step(states, found_inf)
+        count_step(states, flags[1])
+        kernel = device.type == "cuda" if self.use_kernel is None else self.use_kernel
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32   # NS's
         sharded = {}
         for (p, group), state in zip(with_grads, states):
-            update = momentum_update(p, group, state["momentum_buffer"], grad_scale, skipped)
+            update = momentum_update(p, group, state["momentum_buffer"], flags, dtype, kernel)
             shards = shard_group(p)
             if shards is None:
-                apply_update(p, group, orthogonalize(update, group["ns_steps"], dtype), skipped)
-            else:   # in NS's dtype until the group's turn: less memory held
-                sharded.setdefault(shards, []).append((p, group, update.to(dtype)))
+                apply_update(p, group, orthogonalize(update, group["ns_steps"], dtype, group["split"]), flags, kernel)
+            else:
+                sharded.setdefault(shards, []).append((p, group, update))
         for shards, held in sharded.items():
             parts = split_orthogonalize([u for _, _, u in held], [p.shape[-2] for p, _, _ in held],
-                                        [group["ns_steps"] for _, group, _ in held], shards, dtype)
+                                        [(group["ns_steps"], group["split"]) for _, group, _ in held], shards, dtype)
             for (p, group, _), part in zip(held, parts):
-                apply_update(p, group, part, skipped)
+                apply_update(p, group, part, flags, kernel)
 
 
-def momentum_update(param: torch.Tensor, group: dict, buffer: torch.Tensor, grad_scale: torch.Tensor,
-                    skipped: torch.Tensor) -> torch.Tensor:
-    """The momentum buffer B <- momentum * B + G (G the gradient over grad_scale; B kept where skipped: a skipped
-    step's gradient may be inf or nan) -> the update NS orthogonalizes: G + momentum * B (Nesterov) or B. Local
-    rows of a sharded parameter: elementwise, so a rank's own."""
-    grad, buffer = local_part(param.grad) / grad_scale, local_part(buffer)
+def momentum_update(param: torch.Tensor, group: dict, buffer: torch.Tensor, flags: tuple[torch.Tensor, torch.Tensor],
+                    dtype: torch.dtype, kernel: bool) -> torch.Tensor:
+    """The momentum buffer B <- momentum * B + G (G the gradient over the clip's grad_scale; B kept where found_inf is
+    set: a skipped step's gradient may be inf or nan) -> the update NS orthogonalizes, in its dtype: G + momentum * B
+    (Nesterov) or B (where skipped: any values, never applied). Local rows of a sharded parameter: elementwise, so a
+    rank's own."""
+    (grad_scale, found_inf), grad, buffer = flags, local_part(param.grad), local_part(buffer)
+    if kernel:
+        update = torch.empty_like(grad, dtype=dtype)
+        muon_momentum(grad, buffer, update, group["momentum"], group["nesterov"], grad_scale, found_inf)
+        return update
+    grad = grad / grad_scale
     moved = torch.add(grad, buffer, alpha=group["momentum"])
-    buffer.copy_(torch.where(skipped, buffer, moved))
-    return grad.add_(moved, alpha=group["momentum"]) if group["nesterov"] else moved
+    buffer.copy_(torch.where(found_inf != 0, buffer, moved))
+    return (grad.add_(moved, alpha=group["momentum"]) if group["nesterov"] else moved).to(dtype)
 
 
-def apply_update(param: torch.Tensor, group: dict, orthogonal: torch.Tensor, skipped: torch.Tensor):
+def apply_update(param: torch.Tensor, group: dict, orthogonal: torch.Tensor, flags: tuple[torch.Tensor, torch.Tensor],
+                 kernel: bool):
     """W <- W * (1 - lr * weight_decay) - lr * 0.2 * sqrt(max(rows, columns)) * O, on this rank's rows of W and O,
-    except where skipped; rows and columns are the whole matrix's."""
-    lr, local = group["lr"], local_part(param)
-    scale = RMS_MATCH * math.sqrt(max(param.shape[-2:]))
+    except where found_inf is set; rows and columns are those of the whole matrices NS orthogonalized."""
+    lr, local, found_inf = group["lr"], local_part(param), flags[1]
+    scale = RMS_MATCH * math.sqrt(max(matrix_shape(param.shape, group["split"])))
+    if kernel:
+        lr = lr if torch.is_tensor(lr) else torch.full((), lr, device=local.device)
+        muon_apply(local, orthogonal.contiguous(), lr, group["weight_decay"], scale, found_inf)
+        return
     moved = local * (1 - lr * group["weight_decay"]) - (lr * scale) * orthogonal
-    local.copy_(torch.where(skipped, local, moved))
+    local.copy_(torch.where(found_inf != 0, local, moved))
 
 
 def shard_group(param: torch.Tensor):
@@ -151,14 +185,16 @@ def deal(costs: tuple[int, ...], ranks: int) -> tuple[int, ...]:
     return tuple(owners)
 
 
-def split_orthogonalize(updates: list[torch.Tensor], rows: list[int], steps: list[int], group,
+def split_orthogonalize(updates: list[torch.Tensor], rows: list[int], ways: list[tuple[int, str]], group,
                         dtype: torch.dtype) -> list[torch.Tensor]:
     """NS of the matrices of sharded updates (each [..., local rows, columns] of a parameter with `rows` rows per
-    matrix, sharded over `group`), each matrix whole on one rank: this rank's rows of every result."""
+    matrix, sharded over `group`; ways: each one's NS steps and split), each matrix whole on one rank: this rank's
+    rows of every result."""
     shapes = [u.shape for u in updates]
     updates = [u.to(dtype).reshape(math.prod(u.shape[:-2]), *u.shape[-2:]) for u in updates]   # in NS's dtype
-    dealt = Dealt(updates, rows, dist.get_world_size(group), dist.get_rank(group))
-    done = orthogonalize_each(dealt.gather(updates, group), [steps[i] for i, _ in dealt.owned[dealt.me]])
+    costs = [ns_cost(r, u.shape[-1], split) for r, u, (_, split) in zip(rows, updates, ways)]
+    dealt = Dealt(updates, rows, costs, dist.get_world_size(group), dist.get_rank(group))
+    done = orthogonalize_each(dealt.gather(updates, group), [ways[i] for i, _ in dealt.owned[dealt.me]])
     return [result.view(shape) for result, shape in zip(dealt.scatter(done, updates, group), shapes)]
 
 
@@ -166,11 +202,11 @@ class Dealt:
     """Matrices (i, b), matrix b of update i [matrices, local rows, columns], dealt out over a shard group: `owned`,
     each rank's; `counts[i]`, the rows of update i's matrices each rank holds."""
 
-    def __init__(self, updates: list[torch.Tensor], rows: list[int], ranks: int, me: int):
+    def __init__(self, updates: list[torch.Tensor], rows: list[int], costs: list[int], ranks: int, me: int):
         self.ranks, self.me, self.columns = ranks, me, [u.shape[-1] for u in updates]
         self.counts = [row_counts(r, ranks) for r in rows]
         matrices = [(i, b) for i, u in enumerate(updates) for b in range(u.shape[0])]
-        owners = deal(tuple(rows[i] * self.columns[i] * min(rows[i], self.columns[i]) for i, _ in matrices), ranks)
+        owners = deal(tuple(costs[i] for i, _ in matrices), ranks)
         self.owned = [[m for m, owner in zip(matrices, owners) if owner == rank] for rank in range(ranks)]
 
     def size(self, i: int, rank: int) -> int:
@@ -209,23 +245,36 @@ def flat(tensors: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
     return torch.cat([t.flatten() for t in tensors]) if tensors else like.new_empty(0)
 
 
-def orthogonalize_each(whole: list[torch.Tensor], steps: list[int]) -> list[torch.Tensor]:
-    """NS of each matrix, those of one shape and step count as one batch (the experts of a stack a rank owns)."""
+def ns_cost(rows: int, columns: int, split: str) -> int:
+    """In proportion to NS's FLOPs on a [rows, columns] matrix split so."""
+    pieces = 1 if split == "whole" else 2
+    r = rows // pieces
+    return pieces * r * columns * min(r, columns)
+
+
+def orthogonalize_each(whole: list[torch.Tensor], ways: list[tuple[int, str]]) -> list[torch.Tensor]:
+    """NS of each matrix (ways: its steps and split), those of one shape and way as one batch (the experts of a stack
+    a rank owns)."""
     done, batches = [None] * len(whole), {}
-    for k, (matrix, count) in enumerate(zip(whole, steps)):
-        batches.setdefault((matrix.shape, count), []).append(k)
-    for (_, count), ks in batches.items():
-        for k, result in zip(ks, orthogonalize(torch.stack([whole[k] for k in ks]), count, whole[ks[0]].dtype)):
+    for k, (matrix, way) in enumerate(zip(whole, ways)):
+        batches.setdefault((matrix.shape, way), []).append(k)
+    for (_, (steps, split)), ks in batches.items():
+        stack = torch.stack([whole[k] for k in ks])
+        for k, result in zip(ks, orthogonalize(stack, steps, stack.dtype, split)):
             done[k] = result
     return done
 
 
-def muon(model: torch.nn.Module, matrices: list[torch.Tensor], lr: float, weight_decay: float, momentum: float = 0.95,
-         nesterov: bool = True, ns_steps: int = 5, betas=(0.9, 0.95)) -> Muon:
-    """Muon for `matrices` (parameters of model; each [..., rows, columns] a batch of matrices), with decoupled weight
-    decay; AdamW for the model's other parameters, grouped as pith_engine.optim.adamw groups them; one lr for all."""
-    chosen = {id(p) for p in matrices}
+def muon(model: torch.nn.Module, matrices: dict[str, list[torch.Tensor]], lr: float, weight_decay: float,
+         momentum: float = 0.95, nesterov: bool = True, ns_steps: int = 5, betas=(0.9, 0.95)) -> Muon:
+    """Muon for `matrices` (parameters of model, by how their rows split into matrices: SPLITS; each
+    [..., rows, columns] a batch of matrices), with decoupled weight decay; AdamW for the model's other parameters,
+    grouped as pith_engine.optim.adamw groups them; one lr for all."""
+    if set(matrices) - set(SPLITS):
+        raise ValueError(f"muon: matrices are keyed by their split, one of {SPLITS}, not {sorted(matrices)}")
+    chosen = {id(p) for params in matrices.values() for p in params}
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad and id(p) not in chosen]
-    groups = [dict(params=list(matrices), muon=True, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
-                   ns_steps=ns_steps), *decay_groups(named, weight_decay)]
+    groups = [*(dict(params=list(params), muon=True, split=split, weight_decay=weight_decay, momentum=momentum,
+                     nesterov=nesterov, ns_steps=ns_steps) for split, params in matrices.items()),
+              *decay_groups(named, weight_decay)]
     return Muon([group for group in groups if group["params"]], lr=lr, betas=betas)

@@ -195,6 +195,7 @@ class GptOssAttention(nn.Module):
 class GptOssExperts(LocalExperts):
     """down(clamped_swiglu(gate_up(x) + b1)) + b2 per expert, stacked for grouped GEMMs. The biases are
     inside the expert, so the routing weight scales them too."""
+    gate_up_rows = "whole"   # as the files hold it: gate and up in one tensor (Muon orthogonalizes it whole)
 
     def __init__(self, cfg: GptOssConfig, parallel: Parallel):
         super().__init__(cfg.num_local_experts, parallel)

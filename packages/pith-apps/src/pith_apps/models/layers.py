@@ -160,7 +160,9 @@ class LocalExperts(nn.Module):
     num_experts, the expert-parallel group's share (all of them on one process). wgrad_pairs: the
     grouped_linear weight-gradient pairing of micro-batches (pith_engine.data_parallel.pair_expert_wgrads);
     wgrad_queue: where the weight gradients go to be run later (pith_engine.dualpipev.DeferredWeightGrads);
-    fp8: the run's pith_ops.fp8.Fp8WeightCache under --fp8 (use_fp8), else None."""
+    fp8: the run's pith_ops.fp8.Fp8WeightCache under --fp8 (use_fp8), else None. gate_up_rows: how Muon orthogonalizes
+    gate_up_proj's matrices (pith_engine.muon's SPLITS): the gate and up halves apart."""
+    gate_up_rows = "halves"
 
     def __init__(self, num_experts: int, parallel: Parallel):
         super().__init__()
@@ -242,15 +244,21 @@ def use_fp8(model: nn.Module, cache) -> list[nn.Module]:
     return modules
 
 
-def hidden_matrices(model: nn.Module) -> list[nn.Parameter]:
-    """The parameters --optimizer muon orthogonalizes: the weights of the decoder layers' dense linears (Linear:
-    attention and MLA projections, dense and shared-expert MLPs, Qwen3.5's linear-attention projections; not the
-    routers or gates, which are nn.Linear, nor the LM head) and each expert stack's matrices ([experts, rows,
-    columns], not GPT-OSS's [experts, n] biases). Every other parameter is AdamW's: embeddings, LM head, norms,
-    biases, routers, sinks, Qwen3.5's 1-d and convolution parameters."""
+def hidden_matrices(model: nn.Module) -> dict[str, list[nn.Parameter]]:
+    """The parameters --optimizer muon orthogonalizes, by how their rows split into matrices (pith_engine.muon's
+    SPLITS): the weights of the decoder layers' dense linears (Linear: attention and MLA projections, dense and
+    shared-expert MLPs, Qwen3.5's linear-attention projections; not the routers or gates, which are nn.Linear, nor
+    the LM head), whole, and each expert stack's matrices ([experts, rows, columns], not GPT-OSS's [experts, n]
+    biases), gate_up_proj as its experts' gate_up_rows says. Every other parameter is AdamW's:
+    embeddings, LM head, norms, biases, routers, sinks, Qwen3.5's 1-d and convolution parameters."""
     modules = [m for layer in model.layers.values() for m in layer.modules()]
-    return ([m.weight for m in modules if isinstance(m, Linear)] +
-            [p for m in modules if isinstance(m, LocalExperts) for p in m.parameters(recurse=False) if p.ndim == 3])
+    matrices = {"whole": [m.weight for m in modules if isinstance(m, Linear)]}
+    for m in modules:
+        if isinstance(m, LocalExperts):
+            for name, p in m.named_parameters(recurse=False):
+                if p.ndim == 3:
+                    matrices.setdefault(m.gate_up_rows if name == "gate_up_proj" else "whole", []).append(p)
+    return matrices
 
 
 class Embedding(nn.Embedding):
