@@ -22,6 +22,10 @@ the convention of Megatron-LM and PaLM; the app's table by the GPU's name, or --
         [--sides pith] [--profile] [--no-cuda-graph] [--fp8]   (--fp8: each of our rows also with the app's --fp8)
         [--recompute none selective full]   (each of our rows under each activation-recompute mode)
         [--optimizer adamw muon]   (each of our rows with each optimizer)
+        [--routing balanced skewed] [--skew 4]   (each row, both sides, under each routing: "skewed" adds a fixed
+            Zipf-shaped bias per expert to every router's logits, calibrated so that the heaviest expert gets --skew
+            times the mean load; bench/skew.py. Every row records its measured load_max_mean: the heaviest expert's
+            slots over the mean, per step and MoE layer, averaged over layers and steps)
   ... --parity [--precision mixed] [--lr 1e-4]: from the same transformers weights, our loss over 20 AdamW
       steps on the bundled corpus (byte tokens) against transformers'
   ... --sdpa-check: transformers alone, and after one call of our causal attention in its process
@@ -114,7 +118,8 @@ def batches(count: int, rows: int, seq: int, vocab: int, data: str = "random"):
 
 def pith_setup(c: dict, preset: dict, hf_weights: str | None = None):
     """The app's model and step function for configuration c (compiled, AdamW, FP8 and CUDA graph as the app
-    prepares them: prepare_step)."""
+    prepares them: prepare_step), its routers skewed under routing "skewed"; step -> (loss, the step's slots per
+    expert [MoE layers, E], the app's own count)."""
     import torch
     from pith_apps.options import MODELS, check_args, model_config, parse_args
     from pith_apps.train import build_model, layout, prepare_step, train_step
@@ -139,23 +144,30 @@ def pith_setup(c: dict, preset: dict, hf_weights: str | None = None):
     if hf_weights:
         from pith_apps.hf_checkpoint import load_hf_weights
         load_hf_weights(model, hf_weights)
+    if c.get("routing") == "skewed":   # before prepare_step, whose compile then traces the skewed router
+        from skew import skew_bias, skew_our_routers
+        skew_our_routers(model, skew_bias(preset, c["skew"]), on_logits=c["family"] == "gpt_oss")
     optimizer, graph = prepare_step(args, parallel, device, model)
 
     def step(number, ids, labels):
-        return train_step(args, parallel, device, model, optimizer, number, ids, labels, graph)[0]
+        loss, _, _, (loads, _) = train_step(args, parallel, device, model, optimizer, number, ids, labels, graph)
+        return loss, loads
     return model, step
 
 
 def hf_setup_step(c: dict, preset: dict, first_ids, save_to: str | None = None):
     import torch
     from hf_baseline import hf_optimizer, hf_setup, hf_step
+    from skew import skew_bias, watch_hf_routers
     model, attention = hf_setup(preset, "bf16" if save_to else c["precision"], c["device"], first_ids.to(c["device"]),
                                 c.get("hf_weights"))
     if save_to:   # the parity run: weights saved as drawn in bf16, then trained in the run's precision
         model.save_pretrained(save_to)
         model.to(torch.float32 if c["precision"] == "mixed" else torch.bfloat16)
     optimizer = hf_optimizer(model, c["lr"])
-    return lambda number, ids, labels: hf_step(model, optimizer, ids.to(c["device"]), c["precision"]), attention
+    loads = watch_hf_routers(model, skew_bias(preset, c["skew"]) if c.get("routing") == "skewed" else None)
+    return lambda number, ids, labels: (hf_step(model, optimizer, ids.to(c["device"]), c["precision"]), loads()), \
+        attention
 
 
 def touch_our_attention(device: str):
@@ -196,19 +208,23 @@ def measure(c: dict) -> dict:
         step, row["attention"] = hf_setup_step(c, preset, steps[0][0], c.get("save_to"))
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    times, losses = [], []
+    times, losses, loads = [], [], []
     for number, (ids, labels) in enumerate(steps, 1):
         if cuda:
             torch.cuda.synchronize()
         tic = time.perf_counter()
-        losses.append(step(number, ids, labels))
+        loss, load = step(number, ids, labels)
         if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - tic)
+        losses.append(loss)
+        loads.append(load)
     timed = sorted(times[2:]) or times
     median = timed[len(timed) // 2]
     row |= dict(step_s=round(median, 4), step_s_range=[round(timed[0], 4), round(timed[-1], 4)],
                 tok_s=round(c["accum"] * c["seq"] / median), losses=[round(x, 4) for x in losses])
+    from skew import load_stats
+    row |= load_stats(loads)
     if cuda:
         row["peak_mem_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
     if c.get("profile"):
@@ -321,9 +337,10 @@ def configurations(args) -> list[dict]:
     base = dict(layers=args.layers, seq=args.seq, device=args.device, lr=1e-4, profile=args.profile,
                 cuda_graph=args.cuda_graph)
     return [base | dict(side=side, family=family, preset=args.preset or REAL[family], accum=accum, precision=precision,
-                        steps=args.steps or 2 + 6 * -(-8 // accum), fp8=fp8, recompute=recompute, optimizer=optimizer)
+                        steps=args.steps or 2 + 6 * -(-8 // accum), fp8=fp8, recompute=recompute, optimizer=optimizer,
+                        routing=routing) | (dict(skew=args.skew) if routing == "skewed" else {})
             for family in args.families for precision in args.precision for accum in args.accum
-            for side in args.sides for fp8 in ((False, True) if args.fp8 and side == "pith" else (False,))
+            for routing in args.routing for side in args.sides for fp8 in ((False, True) if args.fp8 and side == "pith" else (False,))
             for recompute in (args.recompute if side == "pith" else ["none"])
             for optimizer in (args.optimizer if side == "pith" else ["adamw"])]
 
@@ -359,23 +376,26 @@ def throughput_table(args) -> dict:
 
 
 def print_table(rows: list[dict], peak: dict):
-    print("\nfamily       precision  accum repeat  pith tok/s   hf tok/s  speedup  MFU(m) pith / hf  MFU(d) pith / hf  "
-          "pith GiB  hf GiB")
+    print("\nfamily       precision  routing  accum repeat  pith tok/s   hf tok/s  speedup  MFU(m) pith / hf  "
+          "MFU(d) pith / hf  pith GiB  hf GiB  load max/mean pith / hf")
     for r in [r for r in rows if r["side"] == "pith"]:
         theirs = next((t for t in rows if t["side"] == "hf" and all(t.get(k) == r.get(k) for k in
-                                                                       ("family", "precision", "accum", "repeat"))), {})
+                                                                       ("family", "precision", "routing", "accum",
+                                                                        "repeat"))), {})
         precision = r["precision"] + ("+fp8" if r.get("fp8") else "") + \
             (f"+{r['recompute']}" if r.get("recompute", "none") != "none" else "") + \
             (f"+{r['optimizer']}" if r.get("optimizer", "adamw") != "adamw" else "")
         if "error" in r or "error" in theirs:
-            print(f"{r['family']:<12} {precision:<10} {r['accum']:>5}  error: {r.get('error') or theirs['error']}")
+            print(f"{r['family']:<12} {precision:<10} {r['routing']:<8} {r['accum']:>5}  error: "
+                  f"{r.get('error') or theirs['error']}")
             continue
         speedup = f"{r['tok_s'] / theirs['tok_s']:>6.2f}x" if theirs else "      -"
         mfu = [" / ".join(f"{side[f'mfu_{name}_pct']}%" if f"mfu_{name}_pct" in side else "-" for side in (r, theirs))
                for name in ("matmul_peak", "datasheet")]
-        print(f"{r['family']:<12} {precision:<10} {r['accum']:>5} {r['repeat']:>6}  {r['tok_s']:>10,} "
+        load = " / ".join(str(side.get("load_max_mean", "-")) for side in (r, theirs))
+        print(f"{r['family']:<12} {precision:<10} {r['routing']:<8} {r['accum']:>5} {r['repeat']:>6}  {r['tok_s']:>10,} "
               f"{format(theirs['tok_s'], ',') if theirs else '-':>10}  {speedup}  {mfu[0]:>17}  {mfu[1]:>17}"
-              f"  {r.get('peak_mem_gib', '-'):>8}  {theirs.get('peak_mem_gib', '-'):>6}")
+              f"  {r.get('peak_mem_gib', '-'):>8}  {theirs.get('peak_mem_gib', '-'):>6}  {load:>23}")
     datasheet = f"{peak['datasheet']} TFLOP/s" if peak["datasheet"] else "not known for this device (--peak-tflops)"
     print(f"MFU(m): against the bf16 matmul peak measured here, {peak['matmul_peak']} TFLOP/s; MFU(d): against the "
           f"data sheet's dense bf16 peak, {datasheet}")
@@ -505,6 +525,11 @@ def main():
                         help="each of our configurations under each of these --recompute modes (default: none)")
     parser.add_argument("--optimizer", nargs="+", default=["adamw"], choices=["adamw", "muon"],
                         help="each of our configurations with each of these --optimizer (default: adamw)")
+    parser.add_argument("--routing", nargs="+", default=["balanced"], choices=["balanced", "skewed"],
+                        help="each configuration, both sides, under each routing (default: balanced): skewed biases "
+                        "every router's logits so that the heaviest expert gets --skew times the mean load")
+    parser.add_argument("--skew", type=float, default=4.0, help="skewed routing's target: the heaviest expert's load "
+                        "over the mean (default 4; below experts / top-k)")
     parser.add_argument("--fp8-convergence", action="store_true", help="our loss over --steps (default 300) steps of "
                         "Markov text at --lr with and without --fp8")
     parser.add_argument("--optimizer-convergence", action="store_true", help="our loss over --steps (default 300) "

@@ -7,6 +7,7 @@ import math
 import runpy
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "train_throughput.py"
@@ -131,3 +132,68 @@ def test_markov_text_is_new_each_step_and_its_floor_is_its_entropy_rate():
     assert len({tuple(window.tolist()) for window in walk}) == 100 and abs(floor - 2.5) < 0.01
     seen = -chain[walk[:, :-1], walk[:, 1:]].log().mean().item()
     assert abs(seen / floor - 1) < 0.01, (seen, floor)
+
+
+def test_skewed_routing_loads_the_heaviest_expert_to_the_target_on_both_sides_and_leaves_balanced_rows_alone(tmp_path):
+    """--routing balanced skewed --skew 2 on the tiny Qwen3 (8 experts, top-2: the heaviest can take at most 4x the
+    mean), 2 layers, 3 steps of 2 x 256 tokens, each row in its own process. The bias is calibrated for iid normal
+    logits; the tiny router's are not quite (its experts' logits have means of +-0.1 against a spread of 0.23, tokens
+    sharing a component of their hidden state), which moves each expert's share: 2.36 (ours) and 1.94 (transformers')
+    seen for the target 2, so within 25% of it. Balanced rows route as before: the same losses as a run without
+    --routing, the heaviest expert 1.56 and 1.72 x the mean (128 slots an expert a step), below the skewed ones."""
+    flags = ("--layers", "2", "--seq", "256", "--steps", "3", "--accum", "2", "--precision", "mixed")
+    drive(tmp_path, *flags, "--routing", "balanced", "skewed", "--skew", "2")
+    rows = {(r["side"], r["routing"]): r for r in json.loads((tmp_path / "train_throughput.json").read_text())["rows"]}
+    assert sorted(rows) == [("hf", "balanced"), ("hf", "skewed"), ("pith", "balanced"), ("pith", "skewed")], rows
+    assert all("error" not in r for r in rows.values()) and len({r["pid"] for r in rows.values()}) == 4, rows
+    for side in ("pith", "hf"):
+        balanced, skewed = rows[side, "balanced"], rows[side, "skewed"]
+        assert skewed["skew"] == 2.0 and len(skewed["load_max_mean_layers"]) == 2, skewed
+        assert abs(skewed["load_max_mean"] / 2.0 - 1) < 0.25, skewed
+        assert 1.0 < balanced["load_max_mean"] < 1.8 and balanced["load_max_mean"] < skewed["load_max_mean"], balanced
+    drive(tmp_path, *flags)   # the default: balanced only, the same rows
+    for row in json.loads((tmp_path / "train_throughput.json").read_text())["rows"]:
+        assert row["routing"] == "balanced" and row["losses"] == rows[row["side"], "balanced"]["losses"], row
+
+
+def test_the_skew_bias_is_calibrated_for_each_real_preset_and_both_sides_route_as_if_it_were_in_the_logits():
+    """skew_bias at each real preset's experts, top-k and logit spread: a new draw of 16,384 tokens' normal logits
+    with it gives the heaviest expert 4x the mean load within 5% (sampling: ~1% at these counts), expert 0 first, the
+    same bias on every call. Ours (skewed_select) chooses what LoadBalance.select chooses on logits + bias, softmax
+    first or not, with the same weights to 1e-6; transformers' hook (hf_route) is each tiny router's own rule: the same
+    experts and weights (to 1e-6) as the router's forward."""
+    import torch
+    import transformers
+    from pith_engine.moe import LoadBalance
+    skew = runpy.run_path(str(BENCH.parent / "skew.py"))
+    bench = runpy.run_path(str(BENCH))
+    for family, preset in bench["REAL"].items():
+        config = bench["preset_dict"](family, preset, 4)
+        experts, top_k = skew["experts_of"](config)
+        bias = skew["skew_bias"](config, 4.0)
+        assert torch.equal(bias, skew["skew_bias"](config, 4.0)) and bias[0] == bias.max(), family
+        sigma = config["initializer_range"] * config["hidden_size"] ** 0.5
+        logits = sigma * torch.randn(16384, experts, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        assert abs(skew["simulated_ratio"](logits, bias.double(), top_k) / 4 - 1) < 0.05, family
+    logits, bias = torch.randn(512, 8), torch.linspace(0, -1, 8)
+    for on_logits, scores in ((True, logits), (False, logits.softmax(-1))):
+        balance = LoadBalance(8, "global_batch", 0.0, 8)
+        expected = balance.select(logits + bias if on_logits else (logits + bias).softmax(-1), 2)
+        skew["skew_our_routers"](types.SimpleNamespace(layers={0: types.SimpleNamespace(is_moe=True, balance=balance)}),
+                                 bias, on_logits)
+        ids, weights = balance.select(scores, 2)
+        assert torch.equal(ids, expected[0]) and torch.allclose(weights, expected[1], atol=1e-6), on_logits
+    for family in bench["REAL"]:
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(
+            **bench["preset_dict"](family, "tiny", 2)))
+        for router in skew["hf_routers"](model):
+            hidden = torch.randn(256, router.weight.shape[1])
+            logits, *theirs = router(hidden)
+            (weights, ids), (ours_weights, ours_ids) = (by_expert(*theirs), by_expert(*skew["hf_route"](router, logits)))
+            assert torch.equal(ids, ours_ids) and torch.allclose(weights, ours_weights, atol=1e-6), family
+
+
+def by_expert(weights, ids):
+    """Top-k weights and expert ids with each token's slots in expert order (DeepSeek's router leaves them unsorted)."""
+    ids, order = ids.sort(dim=-1)
+    return weights.gather(-1, order), ids
