@@ -141,4 +141,5 @@ def load_stats(loads: list[torch.Tensor]) -> dict:
     """From each step's loads [MoE layers, E]: the heaviest expert's load over the mean, per layer averaged over
     the steps, and that averaged over layers."""
     ratios = torch.stack([step.amax(dim=-1) / step.mean(dim=-1) for step in loads]).mean(dim=0)
-    return dict(load_max_mean=round(ratios.mean().item(), 3), load_max_mean_layers=[round(r, 3) for r in ratios.tolist()])
+    return dict(load_max_mean=round(ratios.mean().item(), 3),
+                load_max_mean_layers=[round(ratio, 3) for ratio in ratios.tolist()])

@@ -340,7 +340,8 @@ def configurations(args) -> list[dict]:
                         steps=args.steps or 2 + 6 * -(-8 // accum), fp8=fp8, recompute=recompute, optimizer=optimizer,
                         routing=routing) | (dict(skew=args.skew) if routing == "skewed" else {})
             for family in args.families for precision in args.precision for accum in args.accum
-            for routing in args.routing for side in args.sides for fp8 in ((False, True) if args.fp8 and side == "pith" else (False,))
+            for routing in args.routing for side in args.sides
+            for fp8 in ((False, True) if args.fp8 and side == "pith" else (False,))
             for recompute in (args.recompute if side == "pith" else ["none"])
             for optimizer in (args.optimizer if side == "pith" else ["adamw"])]
 
@@ -393,9 +394,9 @@ def print_table(rows: list[dict], peak: dict):
         mfu = [" / ".join(f"{side[f'mfu_{name}_pct']}%" if f"mfu_{name}_pct" in side else "-" for side in (r, theirs))
                for name in ("matmul_peak", "datasheet")]
         load = " / ".join(str(side.get("load_max_mean", "-")) for side in (r, theirs))
-        print(f"{r['family']:<12} {precision:<10} {r['routing']:<8} {r['accum']:>5} {r['repeat']:>6}  {r['tok_s']:>10,} "
-              f"{format(theirs['tok_s'], ',') if theirs else '-':>10}  {speedup}  {mfu[0]:>17}  {mfu[1]:>17}"
-              f"  {r.get('peak_mem_gib', '-'):>8}  {theirs.get('peak_mem_gib', '-'):>6}  {load:>23}")
+        print(f"{r['family']:<12} {precision:<10} {r['routing']:<8} {r['accum']:>5} {r['repeat']:>6}  "
+              f"{r['tok_s']:>10,} {format(theirs['tok_s'], ',') if theirs else '-':>10}  {speedup}  {mfu[0]:>17}  "
+              f"{mfu[1]:>17}  {r.get('peak_mem_gib', '-'):>8}  {theirs.get('peak_mem_gib', '-'):>6}  {load:>23}")
     datasheet = f"{peak['datasheet']} TFLOP/s" if peak["datasheet"] else "not known for this device (--peak-tflops)"
     print(f"MFU(m): against the bf16 matmul peak measured here, {peak['matmul_peak']} TFLOP/s; MFU(d): against the "
           f"data sheet's dense bf16 peak, {datasheet}")

@@ -189,7 +189,8 @@ def test_the_skew_bias_is_calibrated_for_each_real_preset_and_both_sides_route_a
         for router in skew["hf_routers"](model):
             hidden = torch.randn(256, router.weight.shape[1])
             logits, *theirs = router(hidden)
-            (weights, ids), (ours_weights, ours_ids) = (by_expert(*theirs), by_expert(*skew["hf_route"](router, logits)))
+            weights, ids = by_expert(*theirs)
+            ours_weights, ours_ids = by_expert(*skew["hf_route"](router, logits))
             assert torch.equal(ids, ours_ids) and torch.allclose(weights, ours_weights, atol=1e-6), family
 
 
