@@ -1,7 +1,7 @@
 """The app's --optimizer muon: which parameters each family gives Muon and which AdamW, its flags (and their TOML
-file), resumes that repeat the uninterrupted run, and the same steps under dp 2, ep 2, dp 2 x ep 2, pp 2, cp 2 and
-HSDP (2 replicas of 2 shards) as on one process (spawned gloo processes, the app's own train(): logged losses and
-gradient norms)."""
+file), resumes that repeat the uninterrupted run (one process's checkpoint under dp 2, ep 2 and dp 2 x ep 2, dp 2's on
+one process), and the same steps under dp 2, ep 2, dp 2 x ep 2, pp 2, cp 2 and HSDP (2 replicas of 2 shards) as on
+one process (spawned gloo processes, the app's own train(): logged losses and gradient norms)."""
 import json
 import re
 import shutil
@@ -110,14 +110,24 @@ def train(out, steps, *flags):
     return train_app.train(train_app.parse_args([*RUN, "--out", str(out), "--steps", str(steps), *flags]))
 
 
+def at_step_3(run, copy):
+    """A copy of `run` (the one-process run) as its checkpoint of step 3 left it."""
+    shutil.copytree(run, copy)
+    shutil.rmtree(copy / "checkpoints" / "step-00000006")
+    (copy / "checkpoints" / "latest").write_text("step-00000003")
+
+
 def two_process_runs(rank, world, root):
-    """Each layout's 3 steps; under dp 2 each rank's count of the matrices it orthogonalized."""
+    """Each layout's 3 steps; under dp 2 each rank's count of the matrices it orthogonalized; steps 4-6 from the
+    one-process checkpoint of step 3 under dp 2 and ep 2."""
     counts, orthogonalize = [], muon_module.orthogonalize
     muon_module.orthogonalize = lambda update, *args: counts.append(update[..., 0, 0].numel()) or orthogonalize(
         update, *args)
     losses = {"dp2": train(root / "dp2", 3, "--dp", "2")}
     muon_module.orthogonalize = orthogonalize
     losses |= {f"{dim}2": train(root / f"{dim}2", 3, f"--{dim}", "2") for dim in ("ep", "pp", "cp")}
+    losses |= {f"one-then-{dim}2": train(root / f"one-then-{dim}2", 6, f"--{dim}", "2", "--resume")
+               for dim in ("dp", "ep")}
     every = [None] * world
     dist.all_gather_object(every, sum(counts))
     if rank == 0:
@@ -126,19 +136,23 @@ def two_process_runs(rank, world, root):
 
 def four_process_runs(rank, world, root):
     losses = {"dp2-ep2": train(root / "dp2-ep2", 3, "--dp", "2", "--ep", "2"),
-              "hsdp": train(root / "hsdp", 3, "--dp", "4", "--dp-replicate", "2")}   # 2 replicas of 2 shards
+              "hsdp": train(root / "hsdp", 3, "--dp", "4", "--dp-replicate", "2"),   # 2 replicas of 2 shards
+              "one-then-dp2-ep2": train(root / "one-then-dp2-ep2", 6, "--dp", "2", "--ep", "2", "--resume")}
     if rank == 0:
         (root / "losses-4.json").write_text(json.dumps(losses))
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Steps 1-3 under each layout; one process's 6 steps; from the dp 2 checkpoint of step 3 on one process to 6."""
+    """One process's 6 steps; steps 1-3 under each layout; from the one-process checkpoint of step 3 to 6 under dp 2,
+    ep 2 and dp 2 x ep 2; from the dp 2 checkpoint of step 3 on one process to 6."""
     root = tmp_path_factory.mktemp("muon_train")
+    losses = {"one": train(root / "one", 6)}
+    for name in ("one-then-dp2", "one-then-ep2", "one-then-dp2-ep2"):
+        at_step_3(root / "one", root / name)
     run_on_processes(2, two_process_runs, root)
     run_on_processes(4, four_process_runs, root)
-    losses = json.loads((root / "losses-2.json").read_text()) | json.loads((root / "losses-4.json").read_text())
-    losses["one"] = train(root / "one", 6)
+    losses |= json.loads((root / "losses-2.json").read_text()) | json.loads((root / "losses-4.json").read_text())
     shutil.copytree(root / "dp2", root / "dp2-then-one")
     losses["dp2-then-one"] = train(root / "dp2-then-one", 6, "--resume")
     return root, losses
@@ -176,14 +190,22 @@ def test_a_dp2_checkpoint_resumes_on_one_process_as_the_uninterrupted_run(runs):
     assert len(ours) == 3 and all(abs(a - b) <= 1e-5 * b for a, b in zip(ours, one)), (ours, one)
 
 
+@pytest.mark.parametrize("layout", ["dp2", "ep2", "dp2-ep2"])
+def test_a_one_process_checkpoint_resumes_under_a_layout_as_the_uninterrupted_run(runs, layout):
+    """Steps 4-6 under dp 2, ep 2 and dp 2 x ep 2 from the one-process checkpoint of step 3 (each rank loading its
+    shard of every momentum buffer and AdamW moment, its experts' under ep, Muon's matrices then dealt out over their
+    shard groups): the one-process run's losses within 1e-5, as the layouts' own steps are."""
+    _, losses = runs
+    ours, one = losses[f"one-then-{layout}"], losses["one"][3:]
+    assert len(ours) == 3 and all(abs(a - b) <= 1e-5 * b for a, b in zip(ours, one)), (ours, one)
+
+
 def test_a_resume_repeats_the_uninterrupted_run_exactly_and_the_checkpoint_holds_muons_state(runs, tmp_path):
     """One process, steps 4-6 from the step-3 checkpoint of the 6-step run: every loss and weight exactly the
     uninterrupted run's. The checkpoint holds each Muon matrix's momentum (one entry per expert) and AdamW's moments
     for the rest, no moments for Muon's; an AdamW run is not resumed from it."""
     root, losses = runs
-    shutil.copytree(root / "one", tmp_path / "run")
-    shutil.rmtree(tmp_path / "run" / "checkpoints" / "step-00000006")
-    (tmp_path / "run" / "checkpoints" / "latest").write_text("step-00000003")
+    at_step_3(root / "one", tmp_path / "run")
     assert train(tmp_path / "run", 6, "--resume") == losses["one"][3:]
     saved = dcp.FileSystemReader(root / "one" / "checkpoints" / "step-00000006").read_metadata().state_dict_metadata
     resumed = dcp.FileSystemReader(tmp_path / "run" / "checkpoints" / "step-00000006").read_metadata().state_dict_metadata
