@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 import torch
 
+import pith_apps.data as data_module
+import pith_apps.train as train_app
 from pith_apps.config import ConfigError
 from pith_apps.data import ByteTokenizer, batch_at, token_store
 from pith_apps.train import micro_batches_of
@@ -77,6 +79,27 @@ def test_an_unwritable_cache_is_named_in_one_line(tmp_path):
     with pytest.raises(ConfigError, match=r"^--data-cache .*file/cache: could not write the tokenized dataset there "
                                           r"\(Not a directory\); choose another --data-cache$"):
         token_store(data, ByteTokenizer(), cache=tmp_path / "file" / "cache")
+
+
+def test_a_cache_on_a_file_system_without_locks_is_named_and_the_build_goes_on(tmp_path, monkeypatch):
+    """flock failing as on a shared file system mounted without it (ENOSYS), as RunFolder meets it too: one warning
+    naming --data-cache and what is not kept apart; the run trains its 2 steps (losses finite) on the store it built,
+    which holds every line's bytes and end token, and a second look reads it without building it again."""
+    def no_locks(*args):
+        raise OSError(38, "Function not implemented")
+    monkeypatch.setattr(data_module, "fcntl", SimpleNamespace(flock=no_locks, LOCK_EX=2))
+    text, cache = tmp_path / "docs.txt", tmp_path / "cache"
+    text.write_text("the cat sat on the mat\n" * 60)
+    warned = rf"--data-cache {cache} takes no file lock \(Function not implemented\): processes that find this dataset "
+    with pytest.warns(UserWarning, match=warned + "untokenized at once"):
+        losses = train_app.train(train_app.parse_args(["qwen3", "--steps", "2", "--batch-size", "2", "--seq-len", "16",
+                                                       "--data", str(text), "--data-cache", str(cache), "--save-every",
+                                                       "0", "--out", str(tmp_path / "run"), "--quiet", "--device", "cpu"]))
+    assert len(losses) == 2 and all(np.isfinite(losses))
+    lines = []
+    with pytest.warns(UserWarning, match=warned):
+        tokens = token_store(text, ByteTokenizer(), cache=cache, log=lines.append)
+    assert lines == [] and tokens.tolist() == [*b"the cat sat on the mat", 256] * 60
 
 
 PEAK = """

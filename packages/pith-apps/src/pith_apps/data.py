@@ -18,6 +18,7 @@ import os
 import re
 import shutil
 import time
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -145,9 +146,18 @@ def token_store(path: str | Path, tokenizer, text_field: str = "text", cache: st
 
 @contextmanager
 def locked(folder: Path):
+    """Held while the store in folder is looked for and built: the processes that want it wait for one build. On a
+    file system without flock (some shared ones, as RunFolder.lock meets them) the build goes on unlocked, with a
+    warning: only a build is at risk, the store being read-only once built."""
     folder.parent.mkdir(parents=True, exist_ok=True)
     with open(folder.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)   # released when the file closes, also when the process dies
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)   # released when the file closes, also when the process dies
+        except OSError as err:
+            warnings.warn(f"--data-cache {folder.parent} takes no file lock ({err.strerror}): processes that find this "
+                          "dataset untokenized at once (a run's ranks, runs started together) would each build it in "
+                          "the same folder and could spoil it; let one process tokenize it first, or give a "
+                          "--data-cache on a file system with locks")
         yield
 
 
