@@ -3,6 +3,7 @@ file), resumes that repeat the uninterrupted run (one process's checkpoint under
 one process), and the same steps under dp 2, ep 2, dp 2 x ep 2, pp 2, cp 2 and HSDP (2 replicas of 2 shards) as on
 one process (spawned gloo processes, the app's own train(): logged losses and gradient norms)."""
 import json
+import math
 import re
 import shutil
 
@@ -15,6 +16,7 @@ import pith_apps.train as train_app
 from distributed import run_on_processes
 from pith_apps.config import ConfigError
 from pith_apps.options import MODELS, parse_args, run_config_text
+from pith_apps.run_folder import RunFolder
 from pith_engine import checkpoint
 import pith_engine.muon as muon_module
 from pith_engine.muon import Muon
@@ -110,6 +112,12 @@ def train(out, steps, *flags):
     return train_app.train(train_app.parse_args([*RUN, "--out", str(out), "--steps", str(steps), *flags]))
 
 
+def noting_checkpoint_bytes(noted: dict, patch: pytest.MonkeyPatch):
+    """RunFolder.check_space notes the size it is given (train_app.checkpoint_bytes) under the run folder's name."""
+    check = RunFolder.check_space
+    patch.setattr(RunFolder, "check_space", lambda self, size: noted.update({self.out.name: size}) or check(self, size))
+
+
 def at_step_3(run, copy):
     """A copy of `run` (the one-process run) as its checkpoint of step 3 left it."""
     shutil.copytree(run, copy)
@@ -120,6 +128,8 @@ def at_step_3(run, copy):
 def two_process_runs(rank, world, root):
     """Each layout's 3 steps; under dp 2 each rank's count of the matrices it orthogonalized; steps 4-6 from the
     one-process checkpoint of step 3 under dp 2 and ep 2."""
+    noted = {}
+    noting_checkpoint_bytes(noted, pytest.MonkeyPatch())   # (this spawned process ends with the test)
     counts, orthogonalize = [], muon_module.orthogonalize
     muon_module.orthogonalize = lambda update, *args: counts.append(update[..., 0, 0].numel()) or orthogonalize(
         update, *args)
@@ -131,15 +141,17 @@ def two_process_runs(rank, world, root):
     every = [None] * world
     dist.all_gather_object(every, sum(counts))
     if rank == 0:
-        (root / "losses-2.json").write_text(json.dumps(losses | {"dp2-counts": every}))
+        (root / "losses-2.json").write_text(json.dumps(losses | {"dp2-counts": every, "sizes": noted}))
 
 
 def four_process_runs(rank, world, root):
+    noted = {}
+    noting_checkpoint_bytes(noted, pytest.MonkeyPatch())
     losses = {"dp2-ep2": train(root / "dp2-ep2", 3, "--dp", "2", "--ep", "2"),
               "hsdp": train(root / "hsdp", 3, "--dp", "4", "--dp-replicate", "2"),   # 2 replicas of 2 shards
               "one-then-dp2-ep2": train(root / "one-then-dp2-ep2", 6, "--dp", "2", "--ep", "2", "--resume")}
     if rank == 0:
-        (root / "losses-4.json").write_text(json.dumps(losses))
+        (root / "losses-4.json").write_text(json.dumps(losses | {"sizes": noted}))
 
 
 @pytest.fixture(scope="module")
@@ -147,12 +159,16 @@ def runs(tmp_path_factory):
     """One process's 6 steps; steps 1-3 under each layout; from the one-process checkpoint of step 3 to 6 under dp 2,
     ep 2 and dp 2 x ep 2; from the dp 2 checkpoint of step 3 on one process to 6."""
     root = tmp_path_factory.mktemp("muon_train")
-    losses = {"one": train(root / "one", 6)}
+    noted = {}
+    with pytest.MonkeyPatch.context() as patch:
+        noting_checkpoint_bytes(noted, patch)
+        losses = {"one": train(root / "one", 6)}
     for name in ("one-then-dp2", "one-then-ep2", "one-then-dp2-ep2"):
         at_step_3(root / "one", root / name)
     run_on_processes(2, two_process_runs, root)
     run_on_processes(4, four_process_runs, root)
-    losses |= json.loads((root / "losses-2.json").read_text()) | json.loads((root / "losses-4.json").read_text())
+    two, four = (json.loads((root / f"losses-{n}.json").read_text()) for n in (2, 4))
+    losses |= two | four | {"sizes": noted | two["sizes"] | four["sizes"]}
     shutil.copytree(root / "dp2", root / "dp2-then-one")
     losses["dp2-then-one"] = train(root / "dp2-then-one", 6, "--resume")
     return root, losses
@@ -223,3 +239,36 @@ def test_a_resume_repeats_the_uninterrupted_run_exactly_and_the_checkpoint_holds
     with pytest.raises(ConfigError, match=r"was trained with --optimizer muon, not adamw: resume with it"):
         train_app.train(train_app.parse_args([*RUN, "--optimizer", "adamw", "--out", str(tmp_path / "run"), "--steps",
                                               "7", "--resume"]))
+
+
+def saved_bytes(run) -> tuple[int, int]:
+    """(the bytes of the tensors the step-3 checkpoint of run holds, by its .metadata; the bytes of its files)."""
+    folder = run / "checkpoints" / "step-00000003"
+    entries = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata.values()
+    return (sum(math.prod(entry.size) * entry.properties.dtype.itemsize for entry in entries),
+            sum(file.stat().st_size for file in folder.iterdir()))
+
+
+def check_room(estimated: int, run):
+    """Within 0.2% above the tensors saved (each rank counts its copy of the 5 KB RNG state and the step) and within
+    10% below the files on disk (seen 3.2-9.1% below: DCP's serialization of each rank's shards and its .metadata, a
+    share that shrinks as the tensors grow)."""
+    tensors, files = saved_bytes(run)
+    assert tensors <= estimated <= 1.002 * tensors and 0.9 * files <= estimated <= files, (estimated, tensors, files)
+
+
+@pytest.mark.parametrize("name", ["one", "dp2", "ep2", "dp2-ep2", "pp2", "cp2", "hsdp"])
+def test_the_room_a_run_checks_for_a_checkpoint_is_the_checkpoints_size(runs, name):
+    """checkpoint_bytes, which RunFolder.check_space is given, against each layout's step-3 checkpoint as
+    check_room: Muon's momentum one fp32 tensor of each of its matrices where AdamW keeps two (counted as AdamW's, the
+    estimate would be 38% over), each element once under every layout, HSDP's 2 replicas too."""
+    root, losses = runs
+    check_room(losses["sizes"][name], root / name)
+
+
+def test_the_room_checked_for_an_adamw_checkpoint_counts_its_two_moments(tmp_path, monkeypatch):
+    """The same run's 3 steps under --optimizer adamw, as check_room."""
+    noted = {}
+    noting_checkpoint_bytes(noted, monkeypatch)
+    train(tmp_path / "adamw", 3, "--optimizer", "adamw")
+    check_room(noted["adamw"], tmp_path / "adamw")

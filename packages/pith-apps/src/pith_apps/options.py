@@ -266,6 +266,20 @@ def check_args(args):
             "use --no-cuda-graph")
 
 
+def check_export(args, run_folder: Path):
+    """--export-hf, before the run: a folder the export can replace whole, and neither the run's own folder (or
+    one above it, or inside its checkpoints or logs) nor the --init folder the run starts from."""
+    from pith_apps.hf_checkpoint import check_replaceable
+    export, run = Path(args.export_hf).resolve(), run_folder.resolve()
+    inside_run_data = {run / "checkpoints", run / "tb"} & {export, *export.parents}
+    require(export != run and export not in run.parents and not inside_run_data,
+            f"--export-hf {args.export_hf} would replace the run folder {run_folder} or part of it; give a folder "
+            f"of its own (one inside the run folder is fine: {run_folder / 'export'})")
+    require(not args.init or export != Path(args.init).resolve(), f"--export-hf {args.export_hf} is the --init folder "
+            "the run starts from; give another folder")
+    check_replaceable(args.export_hf, "--export-hf")
+
+
 def preset_names(family: str) -> list[str]:
     """The presets of a family: presets/<family>_<name>.json, not another family's whose name extends this one's
     (qwen3_5_tiny is not qwen3's "5_tiny")."""

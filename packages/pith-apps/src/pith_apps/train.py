@@ -24,8 +24,8 @@ from pith_apps.config import ConfigError, flops_per_token, read_json, require
 from pith_apps.data import (ByteTokenizer, HFTokenizer, batch_at, document_ids, held_out_batch, split_held_out,
                             token_store)
 from pith_apps.models.layers import hidden_matrices, use_fp8
-from pith_apps.options import (DTYPES, MODELS, check_args, hf_config_data, init_checkpoint, model_config,
-                               parse_args, run_config_text)
+from pith_apps.options import (DTYPES, MODELS, check_args, check_export, hf_config_data, init_checkpoint,
+                               model_config, parse_args, run_config_text)
 from pith_apps.run_log import RunLog, make_progress, peak_tflops
 from pith_apps.stop_signals import StopSignals
 from pith_engine.compile import compile_stages
@@ -267,7 +267,7 @@ def train_on(args, cfg, parallel: Parallel, device: torch.device, data, folder, 
         init_from_hf(args, parallel, model, folder)
     optimizer, graph = prepare_step(args, parallel, device, model)
     if args.save_every:
-        size = checkpoint_bytes(model, parallel)
+        size = checkpoint_bytes(model, optimizer, parallel)
         on_lead(parallel, lambda: folder.check_space(size))
     batches = batch_settings(args, stream, held_out)
     start = restore(resume_from, model, optimizer, cfg, batches, folder, parallel) if resume_from else 0
@@ -466,20 +466,6 @@ def init_from_hf(args, parallel: Parallel, model, folder):
                 shutil.rmtree(path, ignore_errors=True)
 
 
-def check_export(args, run_folder: Path):
-    """--export-hf, before the run: a folder the export can replace whole, and neither the run's own folder (or
-    one above it, or inside its checkpoints or logs) nor the --init folder the run starts from."""
-    from pith_apps.hf_checkpoint import check_replaceable
-    export, run = Path(args.export_hf).resolve(), run_folder.resolve()
-    inside_run_data = {run / "checkpoints", run / "tb"} & {export, *export.parents}
-    require(export != run and export not in run.parents and not inside_run_data,
-            f"--export-hf {args.export_hf} would replace the run folder {run_folder} or part of it; give a folder "
-            f"of its own (one inside the run folder is fine: {run_folder / 'export'})")
-    require(not args.init or export != Path(args.init).resolve(), f"--export-hf {args.export_hf} is the --init folder "
-            "the run starts from; give another folder")
-    check_replaceable(args.export_hf, "--export-hf")
-
-
 def export_hf(args, parallel: Parallel, model, dtype: torch.dtype, last_checkpoint: Path):
     """The trained model as a Hugging Face folder, with the tokenizer's files when it has a tokenizer.json: from the
     model itself on one process, from the run's last checkpoint (rank 0, the others waiting) on several."""
@@ -497,12 +483,16 @@ def export_hf(args, parallel: Parallel, model, dtype: torch.dtype, last_checkpoi
         print(f"exported the model to {args.export_hf}")
 
 
-def checkpoint_bytes(model, parallel: Parallel) -> int:
-    """About what one checkpoint takes: the fp32 weights and AdamW's two moments of every rank (Muon keeps one)."""
-    size = torch.tensor(sum(local_part(p).numel() * 4 * 3 for p in model.parameters()), dtype=torch.float64)
+def checkpoint_bytes(model, optimizer, parallel: Parallel) -> int:
+    """About what one checkpoint takes: the tensors it holds (checkpoint.training_state: the fp32 weights and the
+    optimizer's state, AdamW's two moments of a parameter or Muon's one momentum), each element once (HSDP's replicas
+    hold copies). Makes the optimizer's state now, the zeros its first step would make, as a resume's load does."""
+    from pith_engine.checkpoint import training_state
+    mine = sum(local_part(t).nbytes for t in training_state(model, optimizer).values())
+    size = torch.tensor(float(mine), dtype=torch.float64, device=next(model.parameters()).device)   # NCCL's: on the GPU
     if parallel.world > 1:
         dist.all_reduce(size)
-    return int(size.item())
+    return int(size.item()) // parallel.dp_replicate
 
 
 class NonFinite(ConfigError):
