@@ -10,8 +10,9 @@ experts split over ep, then over dp x cp (FSDP2; under --dp-replicate R, dp / R)
 two DualPipeV chunks (rank 0 also the embedding, final norm and LM head). Activations are per token, per layer, of
 what the CUDA path keeps for the backward under the run's --recompute (activations_per_token), a cp rank's own
 tokens, times the micro-batches in flight: one without a pipeline, with one the most that the rank's DualPipeV
-schedule holds at once (in_flight); a recompute adds, as a transient, what one layer's backward makes again. Prints
-a table and the peak; with --gpu-memory, exits 1 when a rank's peak does not fit.
+schedule holds at once (in_flight); a recompute adds, as a transient, what one layer's backward makes again; under
+--optimizer muon its step adds its working set (muon_step_bytes). Prints a table and the peak; with --gpu-memory,
+exits 1 when a rank's peak does not fit.
 """
 import argparse
 import math
@@ -197,6 +198,63 @@ def fp8_elements(layer: torch.nn.Module, compiled: bool, ep: int) -> list[int]:
     return counts
 
 
+def muon_step_bytes(model: torch.nn.Module, layout: dict, width: int) -> float:
+    """The most bytes --optimizer muon's step (pith_engine.muon) makes at once beyond the states, its Newton-Schulz
+    iteration (NS) computing in `width`-byte floats (bf16 on CUDA, fp32 on CPU). A parameter held whole (one process,
+    a pipeline rank alone, the experts under ep alone) is stepped by itself: its fp32 update and NS's working set
+    (ns_bytes), or as it moves the weight, the update, NS's result and three fp32 temporaries. A sharded one's update
+    is kept in `width` until its shard group's turn (every group's until the step ends: `held`); group_bytes counts a
+    group's turn. Dense matrices and expert stacks are one shard group where ep is 1, two otherwise, in the
+    parameters' order."""
+    muon = {id(p) for p in hidden_matrices(model)}
+    shards = layout["dp"] // layout.get("dp_replicate", 1) * layout["cp"]
+    alone = held = 0
+    groups = {}   # ranks -> (this rank's rows of the group's matrices, the group's matrices by (rows, columns))
+    for name, param in model.named_parameters():
+        if id(param) not in muon:
+            continue
+        expert = ".experts." in f".{name}"
+        *stacked, rows, columns = param.shape
+        matrices = math.prod(stacked) // (layout["ep"] if expert else 1)
+        n, gram = matrices * rows * columns, matrices * min(rows, columns) ** 2
+        ranks = shards * (1 if expert else layout["ep"])
+        if ranks == 1:
+            alone = max(alone, 4 * n + ns_bytes(n, gram, width), (12 + 2 * width) * n)
+            continue
+        mine = n // rows * math.ceil(rows / ranks)   # this rank's rows of them, as FSDP2 shards
+        group = groups.setdefault(ranks, [0, {}])
+        group[0] += mine
+        group[1][rows, columns] = group[1].get((rows, columns), 0) + matrices
+        held += width * mine
+    turns, before = [alone], 0   # (a group's turn also holds the results of the one before, until its own return)
+    for ranks, (local, shapes) in groups.items():
+        turns.append(width * before + group_bytes(local, shapes, ranks, width))
+        before = local
+    return held + max(turns)
+
+
+def group_bytes(local: int, shapes: dict, ranks: int, width: int) -> float:
+    """A shard group's turn in Muon's step (pith_engine.muon.split_orthogonalize) on one rank, which holds `local`
+    elements of the group's matrices (`shapes`: their count by (rows, columns)) and owns about 1/ranks of each shape's
+    whole: those gathered, the results of the batches done (one batch per shape, in the parameters' order), the
+    batch's stack and NS's working set; or, as the results go back, them, the rows sent and received, and the rows
+    placed."""
+    owned = [(math.ceil(k / ranks) * r * c, math.ceil(k / ranks) * min(r, c) ** 2) for (r, c), k in shapes.items()]
+    total = sum(n for n, _ in owned)
+    peak, done = width * 2 * (total + local), 0
+    for n, gram in owned:
+        peak = max(peak, width * (total + done + n) + ns_bytes(n, gram, width))
+        done += n
+    return peak
+
+
+def ns_bytes(n: int, gram: int, width: int) -> float:
+    """NS's working set for a batch of n elements whose Gram matrices (of the shorter side) hold `gram`, in
+    `width`-byte floats: the normalized x, a x, the product and the new x with the Gram matrix, or x and a x with the
+    Gram matrix and the polynomial's three terms (an iteration's two fullest moments)."""
+    return width * max(4 * n + gram, 2 * n + 4 * gram)
+
+
 BUILT = {}   # (family, config, held layers) -> the model on the meta device
 
 
@@ -238,7 +296,8 @@ def estimate(args) -> list[dict]:
         phases = [[sum(per_layer[layer][part] for layer in chunks[c]) for part in (0, 1)]
                   for c in (rank, 2 * args.pp - 1 - rank)]
         phases[1][0] += head   # one process: both "phases" are the whole model
-        moments = 8 * n["local"] - 4 * n["muon"] * (args.optimizer == "muon")   # AdamW's two, Muon's one
+        muon = args.optimizer == "muon"
+        moments = 8 * n["local"] - 4 * n["muon"] * muon   # AdamW's two, Muon's one
         row = dict(rank=rank, weights=4 * n["local"], gradients=4 * n["local"], optimizer=moments,
                    activations=tokens * in_flight(args.pp, micro_batches, rank, phases),
                    fp8_cache=2 * sum(n["fp8"]) * args.fp8 * (not plan.sharded))
@@ -252,15 +311,17 @@ def estimate(args) -> list[dict]:
             row["transient"] = 4 * n["gathered"] + 2 * max(n["fp8"], default=0) * args.fp8
         # and the backward of a recomputed layer holds what its recompute made again, one micro-batch's
         row["transient"] += tokens * max(again for _, _, again in per_layer.values())
+        row["optimizer_step"] = muon_step_bytes(model, layout, 2 if device.type == "cuda" else 4) if muon else 0
         held_through = row["weights"] + row["optimizer"] + row["compute_copies"] + row["fp8_cache"]
         grads = row["gradients"] if micro_batches > 1 or plan.world > 1 else 0   # one micro-batch: they replace copies
-        row["peak"] = max(row["weights"] + row["gradients"] + row["optimizer"],   # at the optimizer step
+        row["peak"] = max(row["weights"] + row["gradients"] + row["optimizer"] + row["optimizer_step"],
                           held_through + grads + row["activations"] + row["transient"])
         rows.append(row)
     return rows
 
 
-COLUMNS = ("weights", "gradients", "optimizer", "compute_copies", "fp8_cache", "activations", "transient", "peak")
+COLUMNS = ("weights", "gradients", "optimizer", "compute_copies", "fp8_cache", "activations", "transient",
+           "optimizer_step", "peak")
 
 
 def unit(peak: float) -> tuple[str, int]:
