@@ -40,6 +40,12 @@ from pith_engine.optim import AdamW, clip_flags, count_step, decay_groups
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 RMS_MATCH = 0.2   # Moonlight: 0.2 x sqrt(max(rows, columns)) x O has about the RMS of an AdamW update
+# A shard group's updates are held (a rank's rows, in NS's dtype) until their parameters reach this many elements a
+# rank of the group (whole sizes over the group's ranks: the same on every rank, where a rank's own rows are not, so
+# every rank deals out at the same parameter and the collectives stay in one order), then dealt out and
+# orthogonalized. At full depth, holding every layer's at once was estimated at 41 GiB a GPU for Qwen3-30B-A3B under
+# dp 8 (skills/pith-apps/estimate-memory); 2^28 (512 MiB a rank in bf16) is still hundreds of matrices to deal out.
+BUCKET_ELEMENTS = 2 ** 28
 SPLITS = ("whole", "halves")   # a matrix's rows as one matrix, or as two: the first and the second half (a SwiGLU
 #                                expert's gate and up projections)
 
@@ -96,9 +102,10 @@ class Muon(AdamW):
 
     def muon_step(self, with_grads: list[tuple[torch.Tensor, dict]]):
         """Momentum, NS and the update of each parameter: a whole one at once (so that only one parameter's
-        temporaries are alive at a time), sharded ones by shard group, one group after another in the order the
-        parameters first name them (the same on every rank of a group, as its collectives need). On CUDA (or with
-        use_kernel) the momentum and the update are pith_ops' one-pass kernels; elsewhere torch ops."""
+        temporaries are alive at a time), sharded ones by shard group, a group's whenever they reach BUCKET_ELEMENTS
+        and the rest in the order the parameters first name their groups (the same on every rank of a group, as its
+        collectives need). On CUDA (or with use_kernel) the momentum and the update are pith_ops' one-pass kernels;
+        elsewhere torch ops."""
         device = with_grads[0][0].device
         flags = clip_flags(self, device)
         states = [self.state_of(p) for p, _ in with_grads]
@@ -111,13 +118,22 @@ class Muon(AdamW):
             shards = shard_group(p)
             if shards is None:
                 apply_update(p, group, orthogonalize(update, group["ns_steps"], dtype, group["split"]), flags, kernel)
-            else:
-                sharded.setdefault(shards, []).append((p, group, update))
+                continue
+            held = sharded.setdefault(shards, [])
+            held.append((p, group, update))
+            if sum(p.numel() for p, _, _ in held) >= BUCKET_ELEMENTS * dist.get_world_size(shards):
+                step_sharded(sharded.pop(shards), shards, dtype, flags, kernel)   # the same on every rank
         for shards, held in sharded.items():
-            parts = split_orthogonalize([u for _, _, u in held], [p.shape[-2] for p, _, _ in held],
-                                        [(group["ns_steps"], group["split"]) for _, group, _ in held], shards, dtype)
-            for (p, group, _), part in zip(held, parts):
-                apply_update(p, group, part, flags, kernel)
+            step_sharded(held, shards, dtype, flags, kernel)
+
+
+def step_sharded(held: list[tuple[torch.Tensor, dict, torch.Tensor]], shards, dtype: torch.dtype,
+                 flags: tuple[torch.Tensor, torch.Tensor], kernel: bool):
+    """NS of the held (parameter, group, update) of one shard group, dealt out over it, and each parameter's update."""
+    parts = split_orthogonalize([u for _, _, u in held], [p.shape[-2] for p, _, _ in held],
+                                [(group["ns_steps"], group["split"]) for _, group, _ in held], shards, dtype)
+    for (p, group, _), part in zip(held, parts):
+        apply_update(p, group, part, flags, kernel)
 
 
 def momentum_update(param: torch.Tensor, group: dict, buffer: torch.Tensor, flags: tuple[torch.Tensor, torch.Tensor],
@@ -174,7 +190,7 @@ def row_counts(rows: int, ranks: int) -> list[int]:
     return [min(chunk, max(0, rows - rank * chunk)) for rank in range(ranks)]
 
 
-@functools.lru_cache(maxsize=16)   # the same every step: dealt once (thousands of experts take milliseconds)
+@functools.lru_cache(maxsize=256)   # the same every step: dealt once (thousands of experts take milliseconds)
 def deal(costs: tuple[int, ...], ranks: int) -> tuple[int, ...]:
     """The rank that owns each matrix: the costliest first, each to the least loaded rank so far (ties: the lowest),
     the same on every rank."""
