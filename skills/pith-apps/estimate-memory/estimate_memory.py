@@ -17,9 +17,11 @@ exits 1 when a rank's peak does not fit.
 import argparse
 import math
 import sys
+from typing import NamedTuple
 
 import torch
 
+import pith_engine.muon as muon_engine
 from pith_apps.config import ConfigError, qwen3_5_layer_types
 from pith_apps.models.layers import Linear, LocalExperts, hidden_matrices
 from pith_apps.options import MODELS, check_args, hf_config_data, model_config, parse_args
@@ -198,61 +200,129 @@ def fp8_elements(layer: torch.nn.Module, compiled: bool, ep: int) -> list[int]:
     return counts
 
 
-def muon_step_bytes(model: torch.nn.Module, layout: dict, width: int) -> float:
-    """The most bytes --optimizer muon's step (pith_engine.muon) makes at once beyond the states, its Newton-Schulz
-    iteration (NS) computing in `width`-byte floats (bf16 on CUDA, fp32 on CPU). A parameter held whole (one process,
-    a pipeline rank alone, the experts under ep alone) is stepped by itself: its fp32 update and NS's working set
-    (ns_bytes), or as it moves the weight, the update, NS's result and three fp32 temporaries. A sharded one's update
-    is kept in `width` until its shard group's turn (every group's until the step ends: `held`); group_bytes counts a
-    group's turn. Dense matrices and expert stacks are one shard group where ep is 1, two otherwise, in the
-    parameters' order."""
-    muon = {id(p) for p in hidden_matrices(model)}
-    shards = layout["dp"] // layout.get("dp_replicate", 1) * layout["cp"]
-    alone = held = 0
-    groups = {}   # ranks -> (this rank's rows of the group's matrices, the group's matrices by (rows, columns))
-    for name, param in model.named_parameters():
-        if id(param) not in muon:
-            continue
-        expert = ".experts." in f".{name}"
-        *stacked, rows, columns = param.shape
-        matrices = math.prod(stacked) // (layout["ep"] if expert else 1)
-        n, gram = matrices * rows * columns, matrices * min(rows, columns) ** 2
-        ranks = shards * (1 if expert else layout["ep"])
-        if ranks == 1:
-            alone = max(alone, 4 * n + ns_bytes(n, gram, width), (12 + 2 * width) * n)
-            continue
-        mine = n // rows * math.ceil(rows / ranks)   # this rank's rows of them, as FSDP2 shards
-        group = groups.setdefault(ranks, [0, {}])
-        group[0] += mine
-        group[1][rows, columns] = group[1].get((rows, columns), 0) + matrices
-        held += width * mine
-    turns, before = [alone], 0   # (a group's turn also holds the results of the one before, until its own return)
-    for ranks, (local, shapes) in groups.items():
-        turns.append(width * before + group_bytes(local, shapes, ranks, width))
-        before = local
-    return held + max(turns)
+class Stack(NamedTuple):
+    """A parameter --optimizer muon steps, as a rank's optimizer holds it: `count` matrices [rows, columns] (a Linear's
+    one, the rank's experts of a stack), orthogonalized whole or as halves (`split`), sharded by rows over a shard
+    group of `ranks` (1: held whole)."""
+    rows: int
+    columns: int
+    count: int
+    split: str
+    ranks: int
+
+    @property
+    def elements(self) -> int:
+        """The whole matrices' elements (DTensor.numel(): what the bucket rule adds up)."""
+        return self.count * self.rows * self.columns
+
+    def local(self, rank: int = 0) -> int:
+        """The elements of rank's rows (rank 0: the most, as torch.chunk splits)."""
+        return self.count * muon_engine.row_counts(self.rows, self.ranks)[rank] * self.columns
+
+    @property
+    def gram(self) -> int:
+        """The elements of the Gram matrices NS makes of them (of the shorter side of each matrix it orthogonalizes)."""
+        pieces = 1 if self.split == "whole" else 2
+        return self.count * pieces * min(self.rows // pieces, self.columns) ** 2
 
 
-def group_bytes(local: int, shapes: dict, ranks: int, width: int) -> float:
-    """A shard group's turn in Muon's step (pith_engine.muon.split_orthogonalize) on one rank, which holds `local`
-    elements of the group's matrices (`shapes`: their count by (rows, columns)) and owns about 1/ranks of each shape's
-    whole: those gathered, the results of the batches done (one batch per shape, in the parameters' order), the
-    batch's stack and NS's working set; or, as the results go back, them, the rows sent and received, and the rows
-    placed."""
-    owned = [(math.ceil(k / ranks) * r * c, math.ceil(k / ranks) * min(r, c) ** 2) for (r, c), k in shapes.items()]
-    total = sum(n for n, _ in owned)
-    peak, done = width * 2 * (total + local), 0
-    for n, gram in owned:
-        peak = max(peak, width * (total + done + n) + ns_bytes(n, gram, width))
-        done += n
+def muon_stacks(model: torch.nn.Module, ep: int, shards: int) -> list[Stack]:
+    """The parameters Muon steps, in its order (hidden_matrices' splits, each split's parameters), on a rank of a
+    layout whose weights are sharded over `shards` (dp x cp; a replica's, under HSDP) besides ep: the experts'
+    stacks (3-d) split over ep, sharded over `shards`; the Linears' weights (2-d) over shards x ep."""
+    return [Stack(*param.shape[-2:], math.prod(param.shape[:-2]) // (ep if param.ndim == 3 else 1), split,
+                  shards * (1 if param.ndim == 3 else ep))
+            for split, params in hidden_matrices(model).items() for param in params]
+
+
+def muon_step_bytes(model: torch.nn.Module, layout: dict, cuda: bool) -> float:
+    """The most bytes --optimizer muon's step (pith_engine.muon's muon_step) makes at once beyond the states, followed
+    parameter by parameter in its order: on CUDA its Newton-Schulz iteration (NS) in bf16 and the momentum and update
+    one kernel pass each; on CPU NS in fp32 and torch ops. Each parameter's momentum (momentum_bytes) makes its update
+    in NS's dtype while the update before it is still referenced. One held whole is stepped at once (whole_bytes). A
+    sharded one's update is held with its shard group's (dense matrices and expert stacks: one group where ep is 1,
+    two otherwise) until their whole elements reach pith_engine.muon.BUCKET_ELEMENTS x the group's ranks: that bucket
+    is then dealt out (flush_bytes) and let go; the groups' last buckets at the end, each held until the step ends."""
+    width, shards = (2 if cuda else 4), layout["dp"] // layout.get("dp_replicate", 1) * layout["cp"]
+    buckets, holding = {}, 0   # each shard group's Stacks held (by its ranks), and the bytes of all held
+    peak, last = 0, 0   # last: the update before's bytes where no bucket holds it (muon_step's `update` still does)
+    for stack in muon_stacks(model, layout["ep"], shards):
+        n = stack.local()
+        peak, last = max(peak, holding + last + momentum_bytes(n, cuda)), width * n
+        if stack.ranks == 1:
+            peak = max(peak, holding + whole_bytes(stack, width, cuda))
+            continue
+        bucket = buckets.setdefault(stack.ranks, [])
+        bucket.append(stack)
+        holding += width * n
+        if sum(s.elements for s in bucket) >= muon_engine.BUCKET_ELEMENTS * stack.ranks:   # muon_step's rule
+            peak = max(peak, holding + flush_bytes(buckets.pop(stack.ranks), width, cuda))
+            holding -= width * sum(s.local() for s in bucket)
+        else:
+            last = 0
+    return max([peak, *(holding + last + flush_bytes(bucket, width, cuda) for bucket in buckets.values())])
+
+
+def momentum_bytes(n: int, cuda: bool) -> int:
+    """momentum_update's most for n elements: the kernel's bf16 update, or the fp32 gradient over its scale (the
+    update after), the moved buffer and the buffer chosen with torch.where."""
+    return 2 * n if cuda else 12 * n
+
+
+def apply_bytes(n: int, cuda: bool) -> int:
+    """apply_update's temporaries for n elements: none for the kernel (in place); three fp32 terms of torch ops."""
+    return 0 if cuda else 12 * n
+
+
+def whole_bytes(stack: Stack, width: int, cuda: bool) -> float:
+    """A parameter held whole: its update with NS's working set, or the update and NS's result as the weight moves."""
+    n = stack.local()
+    return max(ns_bytes(n, stack.gram, width), 2 * width * n + apply_bytes(n, cuda))
+
+
+def flush_bytes(bucket: list[Stack], width: int, cuda: bool) -> float:
+    """The most a bucket's turn (pith_engine.muon's step_sharded) makes on any rank beyond its updates: the whole
+    matrices the rank owns (gathered) with what orthogonalizing them holds (each_bytes); or, as the results go back,
+    them, the rows sent, the rows received and the rows placed; or, as each weight moves, every result with the
+    weight's apply_bytes."""
+    peak = 0
+    for rank, batches in enumerate(dealt(bucket)):
+        local, whole = sum(s.local(rank) for s in bucket), sum(s.elements for s in batches)
+        apply = max(apply_bytes(s.local(rank), cuda) for s in bucket)
+        peak = max(peak, width * whole + each_bytes(batches, width), width * 2 * (whole + local), width * local + apply)
+    return peak
+
+
+def dealt(bucket: list[Stack]) -> list[list[Stack]]:
+    """Each rank's matrices of a bucket as pith_engine.muon.deal deals them, batched as orthogonalize_each batches
+    them: one Stack (held whole) per shape and split, in the order they first come."""
+    ranks = bucket[0].ranks
+    owners = iter(muon_engine.deal(tuple(muon_engine.ns_cost(s.rows, s.columns, s.split) for s in bucket
+                                         for _ in range(s.count)), ranks))
+    owned = [{} for _ in range(ranks)]   # each rank's: how many matrices of each (rows, columns, split)
+    for s in bucket:
+        for _ in range(s.count):
+            batches, shape = owned[next(owners)], (s.rows, s.columns, s.split)
+            batches[shape] = batches.get(shape, 0) + 1
+    return [[Stack(rows, columns, count, split, 1) for (rows, columns, split), count in batches.items()]
+            for batches in owned]
+
+
+def each_bytes(batches: list[Stack], width: int) -> float:
+    """orthogonalize_each's most beyond the matrices it is given: the results of the batches done and the next
+    batch's stack (with the one before's, not yet let go) or NS's working set on it."""
+    peak = done = before = 0
+    for s in batches:
+        peak = max(peak, width * (done + before + s.elements), width * done + ns_bytes(s.elements, s.gram, width))
+        done, before = done + s.elements, s.elements
     return peak
 
 
 def ns_bytes(n: int, gram: int, width: int) -> float:
-    """NS's working set for a batch of n elements whose Gram matrices (of the shorter side) hold `gram`, in
-    `width`-byte floats: the normalized x, a x, the product and the new x with the Gram matrix, or x and a x with the
-    Gram matrix and the polynomial's three terms (an iteration's two fullest moments)."""
-    return width * max(4 * n + gram, 2 * n + 4 * gram)
+    """orthogonalize's most for a batch of n elements (its input included) whose Gram matrices hold `gram`, in
+    `width`-byte floats: the input, the normalized x, the Gram matrix, the polynomial and the new x; or as the next
+    Gram matrix or polynomial is made, the old one still held with x and both of the other's."""
+    return width * max(3 * n + 2 * gram, 2 * n + 3 * gram)
 
 
 BUILT = {}   # (family, config, held layers) -> the model on the meta device
@@ -311,7 +381,7 @@ def estimate(args) -> list[dict]:
             row["transient"] = 4 * n["gathered"] + 2 * max(n["fp8"], default=0) * args.fp8
         # and the backward of a recomputed layer holds what its recompute made again, one micro-batch's
         row["transient"] += tokens * max(again for _, _, again in per_layer.values())
-        row["optimizer_step"] = muon_step_bytes(model, layout, 2 if device.type == "cuda" else 4) if muon else 0
+        row["optimizer_step"] = muon_step_bytes(model, layout, device.type == "cuda") if muon else 0
         held_through = row["weights"] + row["optimizer"] + row["compute_copies"] + row["fp8_cache"]
         grads = row["gradients"] if micro_batches > 1 or plan.world > 1 else 0   # one micro-batch: they replace copies
         row["peak"] = max(row["weights"] + row["gradients"] + row["optimizer"] + row["optimizer_step"],
