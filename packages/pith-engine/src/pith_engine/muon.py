@@ -44,7 +44,8 @@ RMS_MATCH = 0.2   # Moonlight: 0.2 x sqrt(max(rows, columns)) x O has about the 
 # rank of the group (whole sizes over the group's ranks: the same on every rank, where a rank's own rows are not, so
 # every rank deals out at the same parameter and the collectives stay in one order), then dealt out and
 # orthogonalized. At full depth, holding every layer's at once was estimated at 41 GiB a GPU for Qwen3-30B-A3B under
-# dp 8 (skills/pith-apps/estimate-memory); 2^28 (512 MiB a rank in bf16) is still hundreds of matrices to deal out.
+# dp 8 (skills/pith-apps/estimate-memory), 3.2 GiB in these buckets; 2^28 (512 MiB a rank in bf16) is still hundreds
+# of matrices to deal out.
 BUCKET_ELEMENTS = 2 ** 28
 SPLITS = ("whole", "halves")   # a matrix's rows as one matrix, or as two: the first and the second half (a SwiGLU
 #                                expert's gate and up projections)
