@@ -190,7 +190,8 @@ def weight_elements(model: torch.nn.Module, layout: dict, compiled: bool) -> dic
 def fp8_elements(layer: torch.nn.Module, compiled: bool, ep: int) -> list[int]:
     """The elements of each of a decoder layer's weights that --fp8 quantizes (use_fp8: its experts' stacks and its
     Linear modules' weights), unsharded; not the Linears of a compiled stage (compile_stages: an MoE layer's
-    attention_stage, which runs all but its mlp's, and a dense layer whole), which compute in the compute dtype."""
+    attention_stage, which runs all but its mlp's, and a dense layer whole), which quantize their weights at each use
+    (pith_ops.fp8.traced_fp8_linear) and hold no blocks."""
     counts = []
     for name, module in layer.named_modules():
         if isinstance(module, LocalExperts):

@@ -14,9 +14,13 @@ tests and the CPU.
 blocks, the weight gradient as 1 x 128 by 1 x 128 blocks along the tokens (fp32 out), through torch's block-wise
 `scaled_mm` on CUDA (measured on the H200: bench/RESULTS.md) and emulated on the CPU (dequantize, then matmul in
 fp32). Its weights come from an `Fp8WeightCache`, which quantizes each weight once per optimizer step (or at each
-use, where FSDP2 gathers the weight for each use). The experts' FP8 GEMMs (`fp8_grouped_rows`, a Triton kernel) run
+use, where FSDP2 gathers the weight for each use). `traced_fp8_linear` is the same GEMMs as custom ops that
+torch.compile traces (pith::fp8_linear and its backward), for compiled stages: the weight quantized at each use, its
+gradient returned to autograd. The experts' FP8 GEMMs (`fp8_grouped_rows`, a Triton kernel) run
 through `grouped_linear(..., fp8=cache)`.
 """
+import math
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -289,11 +293,10 @@ class Fp8WeightCache:
         """quantize_blocks(weight), or its transposed. Both are made at once, on CUDA by one pass over the weight:
         a training step's backward reads the transposed (a copy of the e4m3 blocks by torch took the H200 13.5 ms
         per Qwen3-30B-A3B 4-layer step)."""
-        quantize = quantize_blocks if weight.is_cuda else quantize_blocks_reference
         if not self.keep:
             self.quantized += 1
-            with torch.no_grad():
-                return quantize(weight, both=True)[1] if transpose else quantize(weight)
+            return _weight_blocks(weight, transpose)
+        quantize = quantize_blocks if weight.is_cuda else quantize_blocks_reference
         source = getattr(weight, "grad_into", weight)
         state = (source._version, source.data_ptr())
         known = self.copies.get(id(source))
@@ -308,6 +311,13 @@ class Fp8WeightCache:
         """fp8_grouped_rows of a against this step's blocks of the expert stack `weight` (transpose: its transposed
         blocks, for the input gradient): what grouped_linear(fp8=self) runs."""
         return fp8_grouped_rows(a, self.blocks(weight, transpose), offs, kernel)
+
+
+@torch.no_grad()
+def _weight_blocks(weight: torch.Tensor, transpose: bool = False) -> tuple:
+    """quantize_blocks(weight), or its transposed blocks, made now and held by no one."""
+    quantize = quantize_blocks if weight.is_cuda else quantize_blocks_reference
+    return quantize(weight, both=True)[1] if transpose else quantize(weight)
 
 
 def _rows(x, kernel=None):
@@ -348,6 +358,64 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, cache: Fp8WeightCache, wgr
     added into weight.grad by the backward itself (grad_into's for a compute copy that names its fp32 master),
     or queued on wgrad_queue to run later; autograd sees none."""
     return _Fp8Linear.apply(x, weight, cache, wgrad_queue)
+
+
+# The same three GEMMs as custom ops with fake implementations, for compiled graphs (Linear under torch.compile):
+# dynamo cannot trace _Fp8Linear, whose weight blocks come from a Python cache and whose weight gradient is added
+# into the master as a side effect. These quantize the weight at each use (so a graph holds no blocks between calls)
+# and return the weight gradient to autograd in the weight's dtype.
+def _linear_forward(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (x @ weight.T in x's dtype, then the FP8 blocks of x that the weight gradient reads: _columns(x))."""
+    rows = x.reshape(-1, x.shape[-1])
+    out = matmul_rows_blocks(_rows(rows), _weight_blocks(weight), x.dtype)
+    columns = (t.contiguous() for t in _columns(rows))   # the CPU reference's come out transposed
+    return (out.view(*x.shape[:-1], weight.shape[0]), *columns)
+
+
+fp8_linear_forward = torch.library.custom_op("pith::fp8_linear", _linear_forward, mutates_args=())
+
+
+@fp8_linear_forward.register_fake
+def _(x, weight):
+    tokens = math.prod(x.shape[:-1])
+    padded = tokens + -tokens % BLOCK   # _columns pads the tokens to whole blocks
+    return (x.new_empty(*x.shape[:-1], weight.shape[0]), x.new_empty(x.shape[-1], padded, dtype=torch.float8_e4m3fn),
+            x.new_empty(x.shape[-1], padded // BLOCK, dtype=torch.float32))
+
+
+def _linear_backward(grad_out: torch.Tensor, x_q: torch.Tensor, x_scales: torch.Tensor,
+                     weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (the input gradient in grad_out's dtype, the weight gradient in the weight's: fp32 products)."""
+    grad = grad_out.reshape(-1, grad_out.shape[-1])
+    grad_x = matmul_rows_blocks(_rows(grad), _weight_blocks(weight, True), grad_out.dtype)
+    grad_w = matmul_rows_rows(_columns(grad), (x_q, x_scales), weight.dtype)
+    return grad_x.view(*grad_out.shape[:-1], weight.shape[1]), grad_w
+
+
+fp8_linear_backward = torch.library.custom_op("pith::fp8_linear_backward", _linear_backward, mutates_args=())
+
+
+@fp8_linear_backward.register_fake
+def _(grad_out, x_q, x_scales, weight):
+    return grad_out.new_empty(*grad_out.shape[:-1], weight.shape[1]), torch.empty_like(weight)
+
+
+def _save_for_linear_backward(ctx, inputs, output):
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.save_for_backward(*output[1:], inputs[1])
+
+
+def _linear_backward_of(ctx, grad_out, *unused):   # unused: the blocks' gradients, which are none
+    return fp8_linear_backward(grad_out, *ctx.saved_tensors)
+
+
+fp8_linear_forward.register_autograd(_linear_backward_of, setup_context=_save_for_linear_backward)
+
+
+def traced_fp8_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """fp8_linear's GEMMs as one op torch.compile traces (pith::fp8_linear): x @ weight.T (no bias), the weight
+    quantized at each use and its gradient returned to autograd in its dtype, as nn.Linear's is."""
+    return fp8_linear_forward(x, weight)[0]
 
 
 # 64-row tiles, 4 warps, 3 stages: of 13 tile / warp / stage / scale-layout choices on the H200 the fastest or within

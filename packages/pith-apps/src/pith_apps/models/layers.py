@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pith_ops.cross_entropy import linear_cross_entropy
-from pith_ops.fp8 import fp8_linear
+from pith_ops.fp8 import fp8_linear, traced_fp8_linear
 from pith_ops.grouped_gemm import deferred_linear, grouped_linear
 from pith_ops.swiglu import swiglu
 from pith_engine.context_parallel import ring_attention, zigzag_positions
@@ -206,17 +206,20 @@ class SwiGLUExperts(LocalExperts):
 class Linear(nn.Linear):
     """nn.Linear whose weight gradient a pipeline can defer: given a wgrad_queue (pith_engine.dualpipev's), the
     backward computes the input gradient and queues the weight's (deferred_linear). Given an Fp8WeightCache
-    (`fp8`, use_fp8), its GEMMs run in FP8 (fp8_linear). Neither inside torch.compile, whose backward is one graph
-    (a closure cannot be queued from it) and whose graphs do not call fp8_linear: there it is nn.Linear."""
+    (`fp8`, use_fp8), its GEMMs run in FP8 (fp8_linear). Inside torch.compile, whose backward is one graph (a
+    closure cannot be queued from it, nor a Python cache read), the weight gradient is not deferred, and under FP8 the
+    GEMMs run through traced_fp8_linear, which quantizes the weight at each use."""
     wgrad_queue = fp8 = None
 
     def forward(self, x):
-        if torch.compiler.is_compiling() or (self.wgrad_queue is None and self.fp8 is None):
+        compiling = torch.compiler.is_compiling()
+        if self.fp8 is not None:
+            out = traced_fp8_linear(x, self.weight) if compiling else fp8_linear(x, self.weight, self.fp8,
+                                                                                 self.wgrad_queue)
+            return out if self.bias is None else out + self.bias
+        if compiling or self.wgrad_queue is None:
             return super().forward(x)
-        if self.fp8 is None:
-            return deferred_linear(x, self.weight, self.bias, self.wgrad_queue)
-        out = fp8_linear(x, self.weight, self.fp8, self.wgrad_queue)
-        return out if self.bias is None else out + self.bias
+        return deferred_linear(x, self.weight, self.bias, self.wgrad_queue)
 
 
 class SwiGLUMLP(nn.Module):
