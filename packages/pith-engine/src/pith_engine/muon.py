@@ -36,7 +36,7 @@ from pith_ops.muon_update import muon_apply, muon_momentum
 
 from pith_engine.data_parallel import is_sharded, local_part
 from pith_engine.moe import all_to_all
-from pith_engine.optim import AdamW, clip_flags, count_step, decay_groups
+from pith_engine.optim import AdamW, clip_flags, count_step, decay_groups, lr_tensor
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 RMS_MATCH = 0.2   # Moonlight: 0.2 x sqrt(max(rows, columns)) x O has about the RMS of an AdamW update
@@ -111,7 +111,7 @@ class Muon(AdamW):
         flags = clip_flags(self, device)
         states = [self.state_of(p) for p, _ in with_grads]
         count_step(states, flags[1])
-        kernel = device.type == "cuda" if self.use_kernel is None else self.use_kernel
+        kernel = self.kernel_on(device)
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32   # NS's
         sharded = {}
         for (p, group), state in zip(with_grads, states):
@@ -123,16 +123,17 @@ class Muon(AdamW):
             held = sharded.setdefault(shards, [])
             held.append((p, group, update))
             if sum(p.numel() for p, _, _ in held) >= BUCKET_ELEMENTS * dist.get_world_size(shards):
-                step_sharded(sharded.pop(shards), shards, dtype, flags, kernel)   # the same on every rank
+                step_sharded(sharded.pop(shards), shards, flags, kernel)   # the same on every rank
         for shards, held in sharded.items():
-            step_sharded(held, shards, dtype, flags, kernel)
+            step_sharded(held, shards, flags, kernel)
 
 
-def step_sharded(held: list[tuple[torch.Tensor, dict, torch.Tensor]], shards, dtype: torch.dtype,
-                 flags: tuple[torch.Tensor, torch.Tensor], kernel: bool):
-    """NS of the held (parameter, group, update) of one shard group, dealt out over it, and each parameter's update."""
+def step_sharded(held: list[tuple[torch.Tensor, dict, torch.Tensor]], shards, flags: tuple[torch.Tensor, torch.Tensor],
+                 kernel: bool):
+    """NS of the held (parameter, group, update in NS's dtype) of one shard group, dealt out over it, and each
+    parameter's update."""
     parts = split_orthogonalize([u for _, _, u in held], [p.shape[-2] for p, _, _ in held],
-                                [(group["ns_steps"], group["split"]) for _, group, _ in held], shards, dtype)
+                                [(group["ns_steps"], group["split"]) for _, group, _ in held], shards)
     for (p, group, _), part in zip(held, parts):
         apply_update(p, group, part, flags, kernel)
 
@@ -161,8 +162,7 @@ def apply_update(param: torch.Tensor, group: dict, orthogonal: torch.Tensor, fla
     lr, local, found_inf = group["lr"], local_part(param), flags[1]
     scale = RMS_MATCH * math.sqrt(max(matrix_shape(param.shape, group["split"])))
     if kernel:
-        lr = lr if torch.is_tensor(lr) else torch.full((), lr, device=local.device)
-        muon_apply(local, orthogonal.contiguous(), lr, group["weight_decay"], scale, found_inf)
+        muon_apply(local, orthogonal.contiguous(), lr_tensor(lr, local.device), group["weight_decay"], scale, found_inf)
         return
     moved = local * (1 - lr * group["weight_decay"]) - (lr * scale) * orthogonal
     local.copy_(torch.where(found_inf != 0, local, moved))
@@ -202,13 +202,13 @@ def deal(costs: tuple[int, ...], ranks: int) -> tuple[int, ...]:
     return tuple(owners)
 
 
-def split_orthogonalize(updates: list[torch.Tensor], rows: list[int], ways: list[tuple[int, str]], group,
-                        dtype: torch.dtype) -> list[torch.Tensor]:
-    """NS of the matrices of sharded updates (each [..., local rows, columns] of a parameter with `rows` rows per
-    matrix, sharded over `group`; ways: each one's NS steps and split), each matrix whole on one rank: this rank's
-    rows of every result."""
+def split_orthogonalize(updates: list[torch.Tensor], rows: list[int], ways: list[tuple[int, str]],
+                        group) -> list[torch.Tensor]:
+    """NS of the matrices of sharded updates (each [..., local rows, columns], in NS's dtype, of a parameter with
+    `rows` rows per matrix, sharded over `group`; ways: each one's NS steps and split), each matrix whole on one
+    rank: this rank's rows of every result."""
     shapes = [u.shape for u in updates]
-    updates = [u.to(dtype).reshape(math.prod(u.shape[:-2]), *u.shape[-2:]) for u in updates]   # in NS's dtype
+    updates = [u.reshape(math.prod(u.shape[:-2]), *u.shape[-2:]) for u in updates]
     costs = [ns_cost(r, u.shape[-1], split) for r, u, (_, split) in zip(rows, updates, ways)]
     dealt = Dealt(updates, rows, costs, dist.get_world_size(group), dist.get_rank(group))
     done = orthogonalize_each(dealt.gather(updates, group), [ways[i] for i, _ in dealt.owned[dealt.me]])

@@ -54,7 +54,7 @@ class AdamW(torch.optim.AdamW):
     def adamw_step(self, groups: list[dict]):
         """The AdamW step of these param groups only (Muon steps its own groups, and these through this)."""
         with_grads = [(p, group) for group in groups for p in group["params"] if p.grad is not None]
-        if not with_grads or not (with_grads[0][0].is_cuda if self.use_kernel is None else self.use_kernel):
+        if not with_grads or not self.kernel_on(with_grads[0][0].device):
             every, self.param_groups = self.param_groups, groups   # torch's step reads param_groups
             try:
                 super().step()
@@ -63,13 +63,16 @@ class AdamW(torch.optim.AdamW):
             return
         device = with_grads[0][0].device
         grad_scale, found_inf = clip_flags(self, device)
-        lrs = {id(group): group["lr"] if torch.is_tensor(group["lr"]) else torch.full((), group["lr"], device=device)
-               for group in groups}
+        lrs = {id(group): lr_tensor(group["lr"], device) for group in groups}
         states = [self.state_of(p) for p, _ in with_grads]
         count_step(states, found_inf)
         for (p, group), state in zip(with_grads, states):
             adamw_update(*(local_part(t) for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"])), state["step"],
                          lrs[id(group)], group["betas"], group["eps"], group["weight_decay"], grad_scale, found_inf)
+
+    def kernel_on(self, device: torch.device) -> bool:
+        """Whether the step runs pith_ops' kernels (use_kernel; default: on CUDA) for parameters on device."""
+        return device.type == "cuda" if self.use_kernel is None else self.use_kernel
 
     def state_of(self, param: torch.Tensor) -> dict:
         """The parameter's state, made as torch's fused AdamW makes it on the first step."""
@@ -86,6 +89,11 @@ def clip_flags(optimizer: torch.optim.Optimizer, device: torch.device) -> tuple[
     grad_scale, found_inf = getattr(optimizer, "grad_scale", None), getattr(optimizer, "found_inf", None)
     return (torch.ones((), device=device) if grad_scale is None else grad_scale,
             torch.zeros((), device=device) if found_inf is None else found_inf)
+
+
+def lr_tensor(lr: float | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A group's learning rate as the kernels read it: a 0-dim tensor on device (a schedule's own, or one made)."""
+    return lr if torch.is_tensor(lr) else torch.full((), lr, device=device)
 
 
 def count_step(states: list[dict], found_inf: torch.Tensor):
