@@ -201,7 +201,7 @@ def as_on_cuda(optimizer):
     optimizer.use_kernel = True
     for module, name in KERNELS:
         setattr(module, name, functools.partial(unseen, getattr(module, name)))
-    for name, at in (("momentum_update", 4), ("orthogonalize", 2), ("step_sharded", 2)):
+    for name, at in (("momentum_update", 4), ("orthogonalize", 2)):   # sharded updates: momentum_update's dtype
         setattr(muon_module, name, functools.partial(with_dtype, getattr(muon_module, name), at, torch.bfloat16))
 
 
