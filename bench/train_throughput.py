@@ -19,7 +19,8 @@ the convention of Megatron-LM and PaLM; the app's table by the GPU's name, or --
 
   PYTHONPATH=packages/pith-ops/src:packages/pith-engine/src:packages/pith-apps/src \
     python3 bench/train_throughput.py [--families qwen3] [--accum 1 8] [--precision bf16 mixed] [--repeats 2]
-        [--sides pith] [--profile] [--no-cuda-graph] [--fp8]   (--fp8: each of our rows also with the app's --fp8)
+        [--sides pith] [--profile] [--no-cuda-graph]
+        [--fp8 [experts all]]   (each of our rows also with the app's --fp8 in each mode named; alone: experts)
         [--recompute none selective full]   (each of our rows under each activation-recompute mode)
         [--optimizer adamw muon]   (each of our rows with each optimizer)
         [--routing balanced skewed] [--skew 4]   (each row, both sides, under each routing: "skewed" adds a fixed
@@ -31,9 +32,9 @@ the convention of Megatron-LM and PaLM; the app's table by the GPU's name, or --
   ... --sdpa-check: transformers alone, and after one call of our causal attention in its process
   ... --grads: from the same weights, each gradient of one step against transformers' (mixed precision),
       with transformers' own bf16-vs-mixed difference per tensor for scale
-  ... --fp8-convergence [--steps 300] [--lr 1e-4] [--accum 1]: our mixed-precision loss on Markov text (a fixed
-      random chain over byte tokens, new text each step, its entropy rate the floor) with and without --fp8, from
-      the same weights
+  ... --fp8-convergence [--fp8 all] [--steps 300] [--lr 1e-4] [--accum 1]: our mixed-precision loss on Markov text (a
+      fixed random chain over byte tokens, new text each step, its entropy rate the floor) with and without --fp8
+      (its first mode named; default experts), from the same weights
   ... --optimizer-convergence [--steps 300] [--lrs 1e-3 3e-3 1e-2]: the same with AdamW and with Muon at each learning
       rate, each optimizer's best
   ... --peak-tflops P: the data-sheet peak of the second MFU column, TFLOP/s per GPU
@@ -130,7 +131,7 @@ def pith_setup(c: dict, preset: dict, hf_weights: str | None = None):
         args = parse_args([c["family"], "--config", str(config_file), "--seq-len", str(c["seq"]), "--batch-size",
                            str(c["accum"]), "--micro-batch-size", "1", "--device", c["device"], "--save-every", "0",
                            "--lr", str(c["lr"]), "--weight-decay", "0"]
-                          + ([] if c.get("cuda_graph", True) else ["--no-cuda-graph"]) + (["--fp8"] if c.get("fp8") else [])
+                          + ([] if c.get("cuda_graph", True) else ["--no-cuda-graph"]) + (["--fp8", c["fp8"]] if c.get("fp8") else [])
                           + ["--recompute", c.get("recompute", "none"), "--optimizer", c.get("optimizer", "adamw")])
         check_args(args)
         cfg, model_cls = model_config(args), MODELS[args.model][1]
@@ -228,7 +229,7 @@ def measure(c: dict) -> dict:
     if cuda:
         row["peak_mem_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
     if c.get("profile"):
-        name = f"profile_{c['side']}_{c['family']}_{c['precision']}{'_fp8' if c.get('fp8') else ''}_{c['accum']}.txt"
+        name = f"profile_{c['side']}_{c['family']}_{c['precision']}{'_fp8_' + c['fp8'] if c.get('fp8') else ''}_{c['accum']}.txt"
         row["gpu"] = profile_step(lambda: step(len(steps) + 1, *steps[-1]), Path(os.environ.get("OUT", "."), name))
     return row
 
@@ -341,7 +342,7 @@ def configurations(args) -> list[dict]:
                         routing=routing) | (dict(skew=args.skew) if routing == "skewed" else {})
             for family in args.families for precision in args.precision for accum in args.accum
             for routing in args.routing for side in args.sides
-            for fp8 in ((False, True) if args.fp8 and side == "pith" else (False,))
+            for fp8 in ((False, *args.fp8) if args.fp8 and side == "pith" else (False,))
             for recompute in (args.recompute if side == "pith" else ["none"])
             for optimizer in (args.optimizer if side == "pith" else ["adamw"])]
 
@@ -383,7 +384,7 @@ def print_table(rows: list[dict], peak: dict):
         theirs = next((t for t in rows if t["side"] == "hf" and all(t.get(k) == r.get(k) for k in
                                                                        ("family", "precision", "routing", "accum",
                                                                         "repeat"))), {})
-        precision = r["precision"] + ("+fp8" if r.get("fp8") else "") + \
+        precision = r["precision"] + (f"+fp8:{r['fp8']}" if r.get("fp8") else "") + \
             (f"+{r['recompute']}" if r.get("recompute", "none") != "none" else "") + \
             (f"+{r['optimizer']}" if r.get("optimizer", "adamw") != "adamw" else "")
         if "error" in r or "error" in theirs:
@@ -440,7 +441,9 @@ def fp8_convergence(args) -> dict:
         base = dict(side="pith", family=family, preset=args.preset or REAL[family], layers=args.layers, seq=args.seq,
                     steps=args.steps or 300, accum=args.accum[0], device=args.device, lr=args.lr, precision="mixed",
                     data="markov")
-        runs = {name: isolated(base | dict(fp8=name == "fp8")) for name in ("bf16", "fp8")}
+        mode = (args.fp8 or ["experts"])[0]
+        base["fp8_mode"] = mode
+        runs = {name: isolated(base | dict(fp8=name == "fp8" and mode)) for name in ("bf16", "fp8")}
         row = dict(base, **{name: run.get("losses") or run.get("error") for name, run in runs.items()})
         if all("losses" in run for run in runs.values()):
             ends, floor = {name: sum(run["losses"][-10:]) / 10 for name, run in runs.items()}, runs["bf16"]["floor"]
@@ -521,7 +524,8 @@ def main():
     parser.add_argument("--lr", type=float, default=1e-4, help="the parity and FP8 convergence runs' "
                         "learning rate (default 1e-4)")
     parser.add_argument("--sdpa-check", action="store_true")
-    parser.add_argument("--fp8", action="store_true", help="each of our configurations also with the app's --fp8")
+    parser.add_argument("--fp8", nargs="*", choices=["experts", "all"], help="each of our configurations also with "
+                        "the app's --fp8 in each mode named (alone: experts)")
     parser.add_argument("--recompute", nargs="+", default=["none"], choices=["none", "selective", "full"],
                         help="each of our configurations under each of these --recompute modes (default: none)")
     parser.add_argument("--optimizer", nargs="+", default=["adamw"], choices=["adamw", "muon"],

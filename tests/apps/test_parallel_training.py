@@ -56,7 +56,7 @@ def full_state(model):
 def with_fp8(model, keep: bool) -> Fp8WeightCache:
     """--fp8's weight cache set on the model, as the app makes it: kept on one process, not where FSDP2 shards."""
     cache = Fp8WeightCache(keep=keep)
-    use_fp8(model, cache)
+    use_fp8(model, cache, dense=True)
     return cache
 
 

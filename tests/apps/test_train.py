@@ -93,7 +93,7 @@ def test_the_replayed_cuda_graph_step_trains_and_evaluates_as_the_eager_step(mod
         compile_stages(net)
         optimizer = adamw(net, args.lr, args.weight_decay)
         if fp8:
-            use_fp8(net, Fp8WeightCache().watch(optimizer))
+            use_fp8(net, Fp8WeightCache().watch(optimizer), dense=True)
         graph = train_app.step_graph(args, parallel, device, net, optimizer) if graphed else None
         losses, evals = [], []
         for step in range(args.steps):

@@ -78,7 +78,7 @@ def test_each_mode_with_fp8_and_document_masks_gives_the_gradients_of_no_recompu
     def run(mode, fp8=True):
         model = tiny(family, mode=mode)
         if fp8:
-            use_fp8(model, Fp8WeightCache())
+            use_fp8(model, Fp8WeightCache(), dense=True)
         loss = model.loss_sum(ids, labels, docs)
         loss.backward()
         return loss.detach(), [p.grad.clone() for p in model.parameters()]

@@ -113,7 +113,8 @@ def test_the_traced_fp8_linear_is_the_eager_one():
     precision (a bf16 compute copy of an fp32 master): the output and input gradient the same exactly (the same
     blocks, the same GEMMs); the weight gradient, which fp8_linear adds into the master's fp32 .grad, returned to
     autograd in the copy's bf16 and reaching the master through the cast: within 4e-3 relative (bf16 rounds each
-    element to 2^-9; 1.7e-3 seen). The blocks it keeps for the backward are no gradient's."""
+    element to 2^-9; 1.7e-3 seen). The blocks it keeps for the backward (the input's along the tokens, the weight's
+    transposed, quantized with its forward blocks in one pass) are no gradient's."""
     x, weight, g = linear_inputs(7)
     master = torch.nn.Parameter(weight.detach().float())
     copy = master.detach().bfloat16().requires_grad_()
@@ -127,8 +128,9 @@ def test_the_traced_fp8_linear_is_the_eager_one():
     (out, grad_x, grad_w), (traced_out, traced_grad_x, traced_grad_w) = results
     assert torch.equal(traced_out, out) and torch.equal(traced_grad_x, grad_x) and copy.grad is None
     assert traced_grad_w.dtype == torch.float32 and relative_error(traced_grad_w, grad_w) < 4e-3
-    _, x_q, x_scales = torch.ops.pith.fp8_linear(x, copy)
-    assert x_q.dtype == torch.float8_e4m3fn and not x_q.requires_grad and not x_scales.requires_grad
+    _, *kept = torch.ops.pith.fp8_linear(x, copy)
+    assert [t.dtype for t in kept] == [torch.float8_e4m3fn, torch.float32] * 2 and not any(t.requires_grad for t in kept)
+    assert [tuple(t.shape) for t in kept[2:]] == [(256, 320), (2, 3)]   # the weight's transposed blocks, its scales
 
 
 def fp8_mlp(x, w1, w2):

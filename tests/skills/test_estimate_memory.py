@@ -148,13 +148,15 @@ def states_body(rank, world, argv):
         assert row["fp8_cache"] <= max(int(m[3]) for m in mine) <= 1.01 * row["fp8_cache"], (pp_rank, mine, row)
 
 
-@pytest.mark.parametrize("layout", [["--dp", "2"], ["--ep", "2"], ["--pp", "2", "--layers", "4", "--micro-batch-size", "1"],
+@pytest.mark.parametrize("layout", [["--dp", "2"], ["--ep", "2"],
+                                    ["--pp", "2", "--layers", "4", "--micro-batch-size", "1", "--fp8", "all"],
                                     ["--dp", "2", "--dp-replicate", "2"], ["--dp", "2", "--optimizer", "muon"]])
 def test_weights_and_optimizer_state_are_each_ranks_own_exactly(layout):
     """Two processes (gloo): the largest rank's bytes of weights and of AdamW moments (under --optimizer muon, its
     matrices' momentum) are the estimate's to the byte (the vocabulary's 257 rows split 129 / 128 under dp, the
     experts 4 / 4 under ep; 2 replicas of 1 shard each hold every weight); --fp8's cache holds the two
-    layouts of each FP8 weight of a pipeline rank, and nothing where FSDP2 gathers the weights for each use."""
+    layouts of each FP8 weight of a pipeline rank (under --fp8 all: the dense linears' too), and nothing where FSDP2
+    gathers the weights for each use."""
     argv = ["qwen3", "--seq-len", "32", "--batch-size", "4", "--device", "cpu", "--steps", "1", "--warmup", "0", "--fp8",
             *layout]
     run_on_processes(2, states_body, argv)

@@ -111,11 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
         "or cuda:N (default: cuda when torch sees a GPU, else cpu).")
     add("--dtype", choices=DTYPES, help="The compute dtype; weights, gradients and optimizer state are always "
         "float32 (default: bfloat16 on CUDA, float32 on CPU).")
-    add("--fp8", action="store_true", help="Compute the experts' GEMMs (forward and input gradient) and the decoder "
-        "layers' dense linears in FP8 (e4m3 in 1x128 and 128x128 blocks), each weight quantized once per step (at "
-        "each use where FSDP2 gathers it: --dp, --ep, --cp); the routers, LM head, norms and attention stay in the "
-        "compute dtype, the weights float32. In compiled stages (--compile) the dense linears quantize their "
-        "weights at each use. Needs compute capability 9.0+ (H100, H200); emulated, slowly, on CPU.")
+    add("--fp8", nargs="?", const="experts", choices=("experts", "all"), help="Compute in FP8 (e4m3 in 1x128 and "
+        "128x128 blocks), each weight quantized once per step (at each use where FSDP2 gathers it: --dp, --ep, --cp): "
+        "experts (--fp8 alone): the experts' GEMMs (forward and input gradient); all: also the decoder layers' dense "
+        "linears, which at these models' widths ran slower than in bf16 (bench/RESULTS.md). The routers, LM head, "
+        "norms and attention stay in the compute dtype, the weights float32. Needs compute capability 9.0+ (H100, "
+        "H200); emulated, slowly, on CPU.")
     add("--allow-slow-delta-rule", action="store_true", help="For qwen3_5 on CUDA where fla-core's delta-rule "
         "kernels cannot run (not installed; on Hopper, Triton 3.4 to 3.7.0 without TileLang): run its Gated DeltaNet "
         "layers' delta rule on the torch reference, ~60x slower per layer, instead of stopping with what to install. "

@@ -228,7 +228,8 @@ def prepare_step(args, parallel: Parallel, device: torch.device, model) -> tuple
     optimizer = muon(model, hidden_matrices(model), args.lr, args.weight_decay, args.muon_momentum, args.nesterov,
                      args.ns_steps) if args.optimizer == "muon" else adamw(model, args.lr, args.weight_decay)
     if args.fp8:
-        use_fp8(model, Fp8WeightCache(keep=not parallel.sharded).watch(optimizer))   # FSDP2 gathers each use anew
+        cache = Fp8WeightCache(keep=not parallel.sharded).watch(optimizer)   # FSDP2 gathers each use anew
+        use_fp8(model, cache, dense=args.fp8 == "all")
     return optimizer, step_graph(args, parallel, device, model, optimizer)
 
 

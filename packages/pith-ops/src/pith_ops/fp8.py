@@ -314,10 +314,16 @@ class Fp8WeightCache:
 
 
 @torch.no_grad()
+def _both_blocks(weight: torch.Tensor) -> tuple:
+    """quantize_blocks(weight, both=True): its blocks and their transposed, made now in one pass, held by no one."""
+    return (quantize_blocks if weight.is_cuda else quantize_blocks_reference)(weight, both=True)
+
+
+@torch.no_grad()
 def _weight_blocks(weight: torch.Tensor, transpose: bool = False) -> tuple:
     """quantize_blocks(weight), or its transposed blocks, made now and held by no one."""
-    quantize = quantize_blocks if weight.is_cuda else quantize_blocks_reference
-    return quantize(weight, both=True)[1] if transpose else quantize(weight)
+    return _both_blocks(weight)[1] if transpose else (quantize_blocks if weight.is_cuda else
+                                                      quantize_blocks_reference)(weight)
 
 
 def _rows(x, kernel=None):
@@ -362,14 +368,18 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, cache: Fp8WeightCache, wgr
 
 # The same three GEMMs as custom ops with fake implementations, for compiled graphs (Linear under torch.compile):
 # dynamo cannot trace _Fp8Linear, whose weight blocks come from a Python cache and whose weight gradient is added
-# into the master as a side effect. These quantize the weight at each use (so a graph holds no blocks between calls)
-# and return the weight gradient to autograd in the weight's dtype.
-def _linear_forward(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """-> (x @ weight.T in x's dtype, then the FP8 blocks of x that the weight gradient reads: _columns(x))."""
+# into the master as a side effect. The forward quantizes the weight at each use, both layouts in one pass, and keeps
+# the transposed blocks for the backward (so a graph holds no blocks between calls); the weight gradient goes back to
+# autograd in the weight's dtype.
+def _linear_forward(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                    torch.Tensor, torch.Tensor]:
+    """-> (x @ weight.T in x's dtype, the FP8 blocks of x that the weight gradient reads (_columns(x)), then the
+    weight's transposed blocks and scales, which the input gradient reads)."""
     rows = x.reshape(-1, x.shape[-1])
-    out = matmul_rows_blocks(_rows(rows), _weight_blocks(weight), x.dtype)
+    blocks, blocks_t = _both_blocks(weight)
+    out = matmul_rows_blocks(_rows(rows), blocks, x.dtype)
     columns = (t.contiguous() for t in _columns(rows))   # the CPU reference's come out transposed
-    return (out.view(*x.shape[:-1], weight.shape[0]), *columns)
+    return (out.view(*x.shape[:-1], weight.shape[0]), *columns, *(t.contiguous() for t in blocks_t))
 
 
 fp8_linear_forward = torch.library.custom_op("pith::fp8_linear", _linear_forward, mutates_args=())
@@ -379,15 +389,17 @@ fp8_linear_forward = torch.library.custom_op("pith::fp8_linear", _linear_forward
 def _(x, weight):
     tokens = math.prod(x.shape[:-1])
     padded = tokens + -tokens % BLOCK   # _columns pads the tokens to whole blocks
-    return (x.new_empty(*x.shape[:-1], weight.shape[0]), x.new_empty(x.shape[-1], padded, dtype=torch.float8_e4m3fn),
-            x.new_empty(x.shape[-1], padded // BLOCK, dtype=torch.float32))
+    (n, k), e4m3 = weight.shape, torch.float8_e4m3fn
+    return (x.new_empty(*x.shape[:-1], n), x.new_empty(k, padded, dtype=e4m3),
+            x.new_empty(k, padded // BLOCK, dtype=torch.float32), x.new_empty(k, n, dtype=e4m3),
+            x.new_empty(-(-k // BLOCK), -(-n // BLOCK), dtype=torch.float32))
 
 
-def _linear_backward(grad_out: torch.Tensor, x_q: torch.Tensor, x_scales: torch.Tensor,
-                     weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _linear_backward(grad_out: torch.Tensor, x_q: torch.Tensor, x_scales: torch.Tensor, w_t: torch.Tensor,
+                     w_t_scales: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (the input gradient in grad_out's dtype, the weight gradient in the weight's: fp32 products)."""
     grad = grad_out.reshape(-1, grad_out.shape[-1])
-    grad_x = matmul_rows_blocks(_rows(grad), _weight_blocks(weight, True), grad_out.dtype)
+    grad_x = matmul_rows_blocks(_rows(grad), (w_t, w_t_scales), grad_out.dtype)
     grad_w = matmul_rows_rows(_columns(grad), (x_q, x_scales), weight.dtype)
     return grad_x.view(*grad_out.shape[:-1], weight.shape[1]), grad_w
 
@@ -396,7 +408,7 @@ fp8_linear_backward = torch.library.custom_op("pith::fp8_linear_backward", _line
 
 
 @fp8_linear_backward.register_fake
-def _(grad_out, x_q, x_scales, weight):
+def _(grad_out, x_q, x_scales, w_t, w_t_scales, weight):
     return grad_out.new_empty(*grad_out.shape[:-1], weight.shape[1]), torch.empty_like(weight)
 
 
@@ -414,7 +426,8 @@ fp8_linear_forward.register_autograd(_linear_backward_of, setup_context=_save_fo
 
 def traced_fp8_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """fp8_linear's GEMMs as one op torch.compile traces (pith::fp8_linear): x @ weight.T (no bias), the weight
-    quantized at each use and its gradient returned to autograd in its dtype, as nn.Linear's is."""
+    quantized at each forward (both layouts, the transposed kept for the backward) and its gradient returned to
+    autograd in its dtype, as nn.Linear's is."""
     return fp8_linear_forward(x, weight)[0]
 
 

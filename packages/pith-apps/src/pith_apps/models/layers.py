@@ -235,12 +235,13 @@ class SwiGLUMLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-def use_fp8(model: nn.Module, cache) -> list[nn.Module]:
-    """--fp8: the dense linears of the decoder layers (Linear: not the routers or the LM head) and the experts'
-    GEMMs compute through `cache` (a pith_ops.fp8.Fp8WeightCache, watching the optimizer), which the model holds as
+def use_fp8(model: nn.Module, cache, dense: bool = False) -> list[nn.Module]:
+    """--fp8: the experts' GEMMs (and, dense: the dense linears of the decoder layers, Linear: not the routers or the
+    LM head) compute through `cache` (a pith_ops.fp8.Fp8WeightCache, watching the optimizer), which the model holds as
     fp8_cache (for release_forward_weights to empty after an evaluation: blocks it made would outlive the step);
     the modules set."""
-    modules = [m for layer in model.layers.values() for m in layer.modules() if isinstance(m, (Linear, LocalExperts))]
+    kinds = (Linear, LocalExperts) if dense else LocalExperts
+    modules = [m for layer in model.layers.values() for m in layer.modules() if isinstance(m, kinds)]
     for module in modules:
         module.fp8 = cache
     model.fp8_cache = cache
