@@ -1,5 +1,5 @@
-"""Skewed routing for bench/train_throughput.py (--routing skewed): both sides' routers biased alike, and the expert
-loads each side measures.
+"""Skewed and even routing for bench/train_throughput.py (--routing skewed / even): both sides' routers changed alike,
+and the expert loads each side measures.
 
 Real routing is skewed. The benchmark's uniform random tokens at init route evenly only where a router's logits are
 close to independent across tokens: the first MoE layer of each 4-layer cut, and every layer of DeepSeek-V2-Lite
@@ -15,10 +15,15 @@ is the same tensor on both sides; what the routing then does is measured, not as
 slots per expert in each MoE layer, the max over the mean, averaged over layers and steps, recorded in each row,
 balanced rows included.
 
+Even routing is the other extreme: token t of a micro-batch goes to experts (t k + j) mod E, j < k (k experts a token
+of E), its weights the router's own on those; every expert gets exactly tokens x k / E slots (tokens x k a multiple
+of E in the benchmark's shapes), a baseline with no load imbalance at all.
+
 Ours: each MoE layer's LoadBalance.select sees scores routed as if b were in the logits (GPT-OSS hands it the logits,
 the others the softmax, where softmax(l + b) = p e^b / sum(p e^b)); the load is the app's own count (train_step's
 routing). transformers': a forward hook on each TopKRouter redoes its top-k on the biased logits, in the router's own
-rule, and counts the chosen experts.
+rule, and counts the chosen experts. Even: ours choose among only the k allowed experts (select's `allowed`);
+transformers' redo the top-k with every other logit at -inf.
 """
 import math
 import types
@@ -79,6 +84,24 @@ def skewed_select(self, scores: torch.Tensor, top_k: int, allowed: torch.Tensor 
     return type(self).select(self, scores, top_k, allowed)
 
 
+def even_allowed(tokens: int, experts: int, top_k: int, device) -> torch.Tensor:
+    """[tokens, E] bool: token t's experts (t k + j) mod E, j < k."""
+    chosen = torch.arange(tokens * top_k, device=device).view(tokens, top_k) % experts
+    return torch.zeros(tokens, experts, dtype=torch.bool, device=device).scatter_(1, chosen, True)
+
+
+def even_select(self, scores: torch.Tensor, top_k: int, allowed: torch.Tensor | None = None):
+    """LoadBalance.select with each token allowed only its even_allowed experts (a family's own mask is dropped)."""
+    return type(self).select(self, scores, top_k, even_allowed(*scores.shape, top_k, scores.device))
+
+
+def even_our_routers(model):
+    """Every MoE layer of our model routes evenly (even_select). Before compile_stages, as skew_our_routers."""
+    from pith_engine.contract import moe_layers
+    for layer in moe_layers(model):
+        layer.balance.select = types.MethodType(even_select, layer.balance)
+
+
 def skew_our_routers(model, bias: torch.Tensor, on_logits: bool):
     """Every MoE layer of our model routes with `bias` added to its router logits (on_logits: the family hands
     LoadBalance.select its logits, GPT-OSS; else its softmax probabilities). Before compile_stages, which then
@@ -111,10 +134,10 @@ def hf_route(router, logits: torch.Tensor):
     return top * getattr(router, "routed_scaling_factor", 1.0), ids
 
 
-def watch_hf_routers(model, bias: torch.Tensor | None):
+def watch_hf_routers(model, bias: torch.Tensor | None, even: bool = False):
     """Hooks each router of transformers' model to count its chosen experts, and with a bias to route as if it were
-    in the logits; -> loads(): the slots each layer's experts got since the last call, [MoE layers, E], counts
-    zeroed."""
+    in the logits (even: with every logit but even_allowed's at -inf); -> loads(): the slots each layer's experts
+    got since the last call, [MoE layers, E], counts zeroed."""
     routers = hf_routers(model)
     device = routers[0].weight.device
     counts = torch.zeros(len(routers), routers[0].num_experts, device=device)
@@ -122,8 +145,9 @@ def watch_hf_routers(model, bias: torch.Tensor | None):
 
     def hook(router, args, output, layer):
         logits, weights, ids = output
-        if bias is not None:
-            logits = logits.float() + bias
+        if bias is not None or even:
+            logits = logits.float() + bias if bias is not None else logits.float().masked_fill(
+                ~even_allowed(*logits.shape, router.top_k, device), float("-inf"))
             new_weights, ids = hf_route(router, logits)
             output = (logits.to(output[0].dtype), new_weights.to(weights.dtype), ids)
         counts[layer].scatter_add_(0, ids.flatten(), torch.ones(ids.numel(), device=device))

@@ -23,9 +23,9 @@ the convention of Megatron-LM and PaLM; the app's table by the GPU's name, or --
         [--fp8 [experts all]]   (each of our rows also with the app's --fp8 in each mode named; alone: experts)
         [--recompute none selective full]   (each of our rows under each activation-recompute mode)
         [--optimizer adamw muon]   (each of our rows with each optimizer)
-        [--routing balanced skewed] [--skew 4]   (each row, both sides, under each routing: "skewed" adds a fixed
-            Zipf-shaped bias per expert to every router's logits, calibrated so that the heaviest expert gets --skew
-            times the mean load; bench/skew.py. Every row records its measured load_max_mean: the heaviest expert's
+        [--routing balanced skewed even] [--skew 4]   (each row, both sides, under each routing: "skewed" adds a
+            fixed Zipf-shaped bias per expert to every router's logits, calibrated so that the heaviest expert gets
+            --skew times the mean load; "even" gives every expert the same load; bench/skew.py. Every row records its measured load_max_mean: the heaviest expert's
             slots over the mean, per step and MoE layer, averaged over layers and steps)
   ... --parity [--precision mixed] [--lr 1e-4]: from the same transformers weights, our loss over 20 AdamW
       steps on the bundled corpus (byte tokens) against transformers'
@@ -119,7 +119,7 @@ def batches(count: int, rows: int, seq: int, vocab: int, data: str = "random"):
 
 def pith_setup(c: dict, preset: dict, hf_weights: str | None = None):
     """The app's model and step function for configuration c (compiled, AdamW, FP8 and CUDA graph as the app
-    prepares them: prepare_step), its routers skewed under routing "skewed"; step -> (loss, the step's slots per
+    prepares them: prepare_step), its routers skewed or even under those routings; step -> (loss, the step's slots per
     expert [MoE layers, E], the app's own count)."""
     import torch
     from pith_apps.options import MODELS, check_args, model_config, parse_args
@@ -148,6 +148,9 @@ def pith_setup(c: dict, preset: dict, hf_weights: str | None = None):
     if c.get("routing") == "skewed":   # before prepare_step, whose compile then traces the skewed router
         from skew import skew_bias, skew_our_routers
         skew_our_routers(model, skew_bias(preset, c["skew"]), on_logits=c["family"] == "gpt_oss")
+    if c.get("routing") == "even":
+        from skew import even_our_routers
+        even_our_routers(model)
     optimizer, graph = prepare_step(args, parallel, device, model)
 
     def step(number, ids, labels):
@@ -166,7 +169,8 @@ def hf_setup_step(c: dict, preset: dict, first_ids, save_to: str | None = None):
         model.save_pretrained(save_to)
         model.to(torch.float32 if c["precision"] == "mixed" else torch.bfloat16)
     optimizer = hf_optimizer(model, c["lr"])
-    loads = watch_hf_routers(model, skew_bias(preset, c["skew"]) if c.get("routing") == "skewed" else None)
+    loads = watch_hf_routers(model, skew_bias(preset, c["skew"]) if c.get("routing") == "skewed" else None,
+                             even=c.get("routing") == "even")
     return lambda number, ids, labels: (hf_step(model, optimizer, ids.to(c["device"]), c["precision"]), loads()), \
         attention
 
@@ -530,9 +534,10 @@ def main():
                         help="each of our configurations under each of these --recompute modes (default: none)")
     parser.add_argument("--optimizer", nargs="+", default=["adamw"], choices=["adamw", "muon"],
                         help="each of our configurations with each of these --optimizer (default: adamw)")
-    parser.add_argument("--routing", nargs="+", default=["balanced"], choices=["balanced", "skewed"],
-                        help="each configuration, both sides, under each routing (default: balanced): skewed biases "
-                        "every router's logits so that the heaviest expert gets --skew times the mean load")
+    parser.add_argument("--routing", nargs="+", default=["balanced"], choices=["balanced", "skewed", "even"],
+                        help="each configuration, both sides, under each routing (default: balanced, the init's own): "
+                        "skewed biases every router's logits so that the heaviest expert gets --skew times the mean "
+                        "load; even gives every expert the same load")
     parser.add_argument("--skew", type=float, default=4.0, help="skewed routing's target: the heaviest expert's load "
                         "over the mean (default 4; below experts / top-k)")
     parser.add_argument("--fp8-convergence", action="store_true", help="our loss over --steps (default 300) steps of "

@@ -135,22 +135,24 @@ def test_markov_text_is_new_each_step_and_its_floor_is_its_entropy_rate():
 
 
 def test_skewed_routing_loads_the_heaviest_expert_to_the_target_on_both_sides_and_leaves_balanced_rows_alone(tmp_path):
-    """--routing balanced skewed --skew 2 on the tiny Qwen3 (8 experts, top-2: the heaviest can take at most 4x the
-    mean), 2 layers, 3 steps of 2 x 256 tokens, each row in its own process. The bias is calibrated for iid normal
+    """--routing balanced skewed even --skew 2 on the tiny Qwen3 (8 experts, top-2: the heaviest can take at most 4x
+    the mean), 2 layers, 3 steps of 2 x 256 tokens, each row in its own process. The bias is calibrated for iid normal
     logits; the tiny router's are not quite (its experts' logits have means of +-0.1 against a spread of 0.23, tokens
     sharing a component of their hidden state), which moves each expert's share: 2.36 (ours) and 1.94 (transformers')
     seen for the target 2, so within 25% of it. Balanced rows route as before: the same losses as a run without
-    --routing, the heaviest expert 1.56 and 1.72 x the mean (128 slots an expert a step), below the skewed ones."""
+    --routing, the heaviest expert 1.56 and 1.72 x the mean (128 slots an expert a step), below the skewed ones.
+    Even rows give every expert of every layer its 128 slots a step, exactly, on both sides."""
     flags = ("--layers", "2", "--seq", "256", "--steps", "3", "--accum", "2", "--precision", "mixed")
-    drive(tmp_path, *flags, "--routing", "balanced", "skewed", "--skew", "2")
+    drive(tmp_path, *flags, "--routing", "balanced", "skewed", "even", "--skew", "2")
     rows = {(r["side"], r["routing"]): r for r in json.loads((tmp_path / "train_throughput.json").read_text())["rows"]}
-    assert sorted(rows) == [("hf", "balanced"), ("hf", "skewed"), ("pith", "balanced"), ("pith", "skewed")], rows
-    assert all("error" not in r for r in rows.values()) and len({r["pid"] for r in rows.values()}) == 4, rows
+    assert sorted(rows) == [(side, routing) for side in ("hf", "pith") for routing in ("balanced", "even", "skewed")]
+    assert all("error" not in r for r in rows.values()) and len({r["pid"] for r in rows.values()}) == 6, rows
     for side in ("pith", "hf"):
-        balanced, skewed = rows[side, "balanced"], rows[side, "skewed"]
+        balanced, skewed, even = rows[side, "balanced"], rows[side, "skewed"], rows[side, "even"]
         assert skewed["skew"] == 2.0 and len(skewed["load_max_mean_layers"]) == 2, skewed
         assert abs(skewed["load_max_mean"] / 2.0 - 1) < 0.25, skewed
         assert 1.0 < balanced["load_max_mean"] < 1.8 and balanced["load_max_mean"] < skewed["load_max_mean"], balanced
+        assert even["load_max_mean_layers"] == [1.0, 1.0] and "skew" not in even, even
     drive(tmp_path, *flags)   # the default: balanced only, the same rows
     for row in json.loads((tmp_path / "train_throughput.json").read_text())["rows"]:
         assert row["routing"] == "balanced" and row["losses"] == rows[row["side"], "balanced"]["losses"], row
