@@ -322,8 +322,9 @@ def _both_blocks(weight: torch.Tensor) -> tuple:
 @torch.no_grad()
 def _weight_blocks(weight: torch.Tensor, transpose: bool = False) -> tuple:
     """quantize_blocks(weight), or its transposed blocks, made now and held by no one."""
-    return _both_blocks(weight)[1] if transpose else (quantize_blocks if weight.is_cuda else
-                                                      quantize_blocks_reference)(weight)
+    if transpose:
+        return _both_blocks(weight)[1]
+    return (quantize_blocks if weight.is_cuda else quantize_blocks_reference)(weight)
 
 
 def _rows(x, kernel=None):
