@@ -382,7 +382,7 @@ def throughput_table(args) -> dict:
 
 
 def print_table(rows: list[dict], peak: dict):
-    print("\nfamily       precision  routing  accum repeat  pith tok/s   hf tok/s  speedup  MFU(m) pith / hf  "
+    print("\nfamily       precision        routing  accum repeat  pith tok/s   hf tok/s  speedup  MFU(m) pith / hf  "
           "MFU(d) pith / hf  pith GiB  hf GiB  load max/mean pith / hf")
     for r in [r for r in rows if r["side"] == "pith"]:
         theirs = next((t for t in rows if t["side"] == "hf" and all(t.get(k) == r.get(k) for k in
@@ -392,14 +392,14 @@ def print_table(rows: list[dict], peak: dict):
             (f"+{r['recompute']}" if r.get("recompute", "none") != "none" else "") + \
             (f"+{r['optimizer']}" if r.get("optimizer", "adamw") != "adamw" else "")
         if "error" in r or "error" in theirs:
-            print(f"{r['family']:<12} {precision:<10} {r['routing']:<8} {r['accum']:>5}  error: "
+            print(f"{r['family']:<12} {precision:<16} {r['routing']:<8} {r['accum']:>5}  error: "
                   f"{r.get('error') or theirs['error']}")
             continue
         speedup = f"{r['tok_s'] / theirs['tok_s']:>6.2f}x" if theirs else "      -"
         mfu = [" / ".join(f"{side[f'mfu_{name}_pct']}%" if f"mfu_{name}_pct" in side else "-" for side in (r, theirs))
                for name in ("matmul_peak", "datasheet")]
         load = " / ".join(str(side.get("load_max_mean", "-")) for side in (r, theirs))
-        print(f"{r['family']:<12} {precision:<10} {r['routing']:<8} {r['accum']:>5} {r['repeat']:>6}  "
+        print(f"{r['family']:<12} {precision:<16} {r['routing']:<8} {r['accum']:>5} {r['repeat']:>6}  "
               f"{r['tok_s']:>10,} {format(theirs['tok_s'], ',') if theirs else '-':>10}  {speedup}  {mfu[0]:>17}  "
               f"{mfu[1]:>17}  {r.get('peak_mem_gib', '-'):>8}  {theirs.get('peak_mem_gib', '-'):>6}  {load:>23}")
     datasheet = f"{peak['datasheet']} TFLOP/s" if peak["datasheet"] else "not known for this device (--peak-tflops)"
