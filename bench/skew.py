@@ -23,7 +23,7 @@ Ours: each MoE layer's LoadBalance.select sees scores routed as if b were in the
 the others the softmax, where softmax(l + b) = p e^b / sum(p e^b)); the load is the app's own count (train_step's
 routing). transformers': a forward hook on each TopKRouter redoes its top-k on the biased logits, in the router's own
 rule, and counts the chosen experts. Even: ours choose among only the k allowed experts (select's `allowed`);
-transformers' redo the top-k with every other logit at -inf.
+transformers' redo the top-k with every other logit at -inf (even_logits).
 """
 import math
 import types
@@ -134,20 +134,28 @@ def hf_route(router, logits: torch.Tensor):
     return top * getattr(router, "routed_scaling_factor", 1.0), ids
 
 
-def watch_hf_routers(model, bias: torch.Tensor | None, even: bool = False):
-    """Hooks each router of transformers' model to count its chosen experts, and with a bias to route as if it were
-    in the logits (even: with every logit but even_allowed's at -inf); -> loads(): the slots each layer's experts
-    got since the last call, [MoE layers, E], counts zeroed."""
+def skewed_logits(bias: torch.Tensor):
+    """watch_hf_routers' reroute for skewed routing: the bias (on the routers' device) added to the logits."""
+    return lambda router, logits: logits + bias
+
+
+def even_logits(router, logits: torch.Tensor) -> torch.Tensor:
+    """watch_hf_routers' reroute for even routing: every logit but even_allowed's at -inf."""
+    return logits.masked_fill(~even_allowed(*logits.shape, router.top_k, logits.device), float("-inf"))
+
+
+def watch_hf_routers(model, reroute=None):
+    """Hooks each router of transformers' model to count its chosen experts, and with reroute(router, fp32 logits)
+    -> logits (skewed_logits, even_logits) to route, by the router's own rule, as if those were its logits;
+    -> loads(): the slots each layer's experts got since the last call, [MoE layers, E], counts zeroed."""
     routers = hf_routers(model)
     device = routers[0].weight.device
     counts = torch.zeros(len(routers), routers[0].num_experts, device=device)
-    bias = bias.to(device) if bias is not None else None
 
     def hook(router, args, output, layer):
         logits, weights, ids = output
-        if bias is not None or even:
-            logits = logits.float() + bias if bias is not None else logits.float().masked_fill(
-                ~even_allowed(*logits.shape, router.top_k, device), float("-inf"))
+        if reroute is not None:
+            logits = reroute(router, logits.float())
             new_weights, ids = hf_route(router, logits)
             output = (logits.to(output[0].dtype), new_weights.to(weights.dtype), ids)
         counts[layer].scatter_add_(0, ids.flatten(), torch.ones(ids.numel(), device=device))

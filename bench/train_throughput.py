@@ -25,8 +25,9 @@ the convention of Megatron-LM and PaLM; the app's table by the GPU's name, or --
         [--optimizer adamw muon]   (each of our rows with each optimizer)
         [--routing balanced skewed even] [--skew 4]   (each row, both sides, under each routing: "skewed" adds a
             fixed Zipf-shaped bias per expert to every router's logits, calibrated so that the heaviest expert gets
-            --skew times the mean load; "even" gives every expert the same load; bench/skew.py. Every row records its measured load_max_mean: the heaviest expert's
-            slots over the mean, per step and MoE layer, averaged over layers and steps)
+            --skew times the mean load; "even" gives every expert the same load; bench/skew.py. Every row records
+            its measured load_max_mean: the heaviest expert's slots over the mean, per step and MoE layer, averaged
+            over layers and steps)
   ... --parity [--precision mixed] [--lr 1e-4]: from the same transformers weights, our loss over 20 AdamW
       steps on the bundled corpus (byte tokens) against transformers'
   ... --sdpa-check: transformers alone, and after one call of our causal attention in its process
@@ -131,7 +132,8 @@ def pith_setup(c: dict, preset: dict, hf_weights: str | None = None):
         args = parse_args([c["family"], "--config", str(config_file), "--seq-len", str(c["seq"]), "--batch-size",
                            str(c["accum"]), "--micro-batch-size", "1", "--device", c["device"], "--save-every", "0",
                            "--lr", str(c["lr"]), "--weight-decay", "0"]
-                          + ([] if c.get("cuda_graph", True) else ["--no-cuda-graph"]) + (["--fp8", c["fp8"]] if c.get("fp8") else [])
+                          + ([] if c.get("cuda_graph", True) else ["--no-cuda-graph"])
+                          + (["--fp8", c["fp8"]] if c.get("fp8") else [])
                           + ["--recompute", c.get("recompute", "none"), "--optimizer", c.get("optimizer", "adamw")])
         check_args(args)
         cfg, model_cls = model_config(args), MODELS[args.model][1]
@@ -162,15 +164,16 @@ def pith_setup(c: dict, preset: dict, hf_weights: str | None = None):
 def hf_setup_step(c: dict, preset: dict, first_ids, save_to: str | None = None):
     import torch
     from hf_baseline import hf_optimizer, hf_setup, hf_step
-    from skew import skew_bias, watch_hf_routers
+    from skew import even_logits, skew_bias, skewed_logits, watch_hf_routers
     model, attention = hf_setup(preset, "bf16" if save_to else c["precision"], c["device"], first_ids.to(c["device"]),
                                 c.get("hf_weights"))
     if save_to:   # the parity run: weights saved as drawn in bf16, then trained in the run's precision
         model.save_pretrained(save_to)
         model.to(torch.float32 if c["precision"] == "mixed" else torch.bfloat16)
     optimizer = hf_optimizer(model, c["lr"])
-    loads = watch_hf_routers(model, skew_bias(preset, c["skew"]) if c.get("routing") == "skewed" else None,
-                             even=c.get("routing") == "even")
+    routing = c.get("routing")
+    loads = watch_hf_routers(model, skewed_logits(skew_bias(preset, c["skew"]).to(c["device"])) if routing == "skewed"
+                             else even_logits if routing == "even" else None)
     return lambda number, ids, labels: (hf_step(model, optimizer, ids.to(c["device"]), c["precision"]), loads()), \
         attention
 
@@ -233,7 +236,8 @@ def measure(c: dict) -> dict:
     if cuda:
         row["peak_mem_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
     if c.get("profile"):
-        name = f"profile_{c['side']}_{c['family']}_{c['precision']}{'_fp8_' + c['fp8'] if c.get('fp8') else ''}_{c['accum']}.txt"
+        fp8 = f"_fp8_{c['fp8']}" if c.get("fp8") else ""
+        name = f"profile_{c['side']}_{c['family']}_{c['precision']}{fp8}_{c['accum']}.txt"
         row["gpu"] = profile_step(lambda: step(len(steps) + 1, *steps[-1]), Path(os.environ.get("OUT", "."), name))
     return row
 
@@ -444,10 +448,8 @@ def fp8_convergence(args) -> dict:
     for family in args.families:
         base = dict(side="pith", family=family, preset=args.preset or REAL[family], layers=args.layers, seq=args.seq,
                     steps=args.steps or 300, accum=args.accum[0], device=args.device, lr=args.lr, precision="mixed",
-                    data="markov")
-        mode = (args.fp8 or ["experts"])[0]
-        base["fp8_mode"] = mode
-        runs = {name: isolated(base | dict(fp8=name == "fp8" and mode)) for name in ("bf16", "fp8")}
+                    data="markov", fp8_mode=(args.fp8 or ["experts"])[0])
+        runs = {name: isolated(base | dict(fp8=name == "fp8" and base["fp8_mode"])) for name in ("bf16", "fp8")}
         row = dict(base, **{name: run.get("losses") or run.get("error") for name, run in runs.items()})
         if all("losses" in run for run in runs.values()):
             ends, floor = {name: sum(run["losses"][-10:]) / 10 for name, run in runs.items()}, runs["bf16"]["floor"]
@@ -552,6 +554,8 @@ def main():
     parser.add_argument("--lift-fla-guard", action="store_true", help="both sides run fla-core's delta rule on a "
                         "Hopper GPU with Triton 3.4-3.7.0, which it refuses (bench/gated_delta.py)")
     args = parser.parse_args()
+    if args.fp8 == []:   # --fp8 alone
+        args.fp8 = ["experts"]
     if args.lift_fla_guard:
         os.environ["LIFT_FLA_GUARD"] = "1"
     if args.one:

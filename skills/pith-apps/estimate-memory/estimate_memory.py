@@ -154,12 +154,12 @@ def in_flight(pp: int, micro_batches: int, rank: int, chunk_bytes: list[tuple[fl
     return peak
 
 
-def weight_elements(model: torch.nn.Module, layout: dict, compiled: bool, fp8_dense: bool = False) -> dict:
+def weight_elements(model: torch.nn.Module, layout: dict, compiled: bool, fp8: str | None) -> dict:
     """Per-rank element counts of the model's weights (built on meta for this pipeline rank): `local` what the
     rank keeps (the largest FSDP2 shard, as torch.chunk splits), of it `muon` that of the matrices --optimizer muon
     steps (hidden_matrices: one moment where AdamW keeps two), `gathered` the largest layer unsharded and `root`
-    the rest unsharded (what FSDP2 gathers in the compute dtype), `fp8` the elements of each weight --fp8
-    quantizes (fp8_dense: --fp8 all's), unsharded (what the FP8 cache is given: the gathered weight)."""
+    the rest unsharded (what FSDP2 gathers in the compute dtype), `fp8` the elements of each weight --fp8 `fp8`
+    quantizes (none without it), unsharded (what the FP8 cache is given: the gathered weight)."""
     shards = layout["dp"] // layout.get("dp_replicate", 1)   # under HSDP a weight is sharded within a replica
     dense_shards, expert_shards = shards * layout["cp"] * layout["ep"], shards * layout["cp"]
     counts = dict(local=0, muon=0, gathered=0, root=0, fp8=[])
@@ -178,7 +178,7 @@ def weight_elements(model: torch.nn.Module, layout: dict, compiled: bool, fp8_de
             counts["muon"] += local * (id(param) in muon)
             total += whole
         counts["gathered"] = max(counts["gathered"], total)
-        counts["fp8"] += fp8_elements(layer, compiled, layout["ep"], fp8_dense)
+        counts["fp8"] += fp8_elements(layer, compiled, layout["ep"], fp8 == "all") if fp8 else []
     in_layers = {id(p) for layer in model.model.layers.values() for p in layer.parameters()}
     for param in model.parameters():
         if id(param) not in in_layers:
@@ -358,7 +358,7 @@ def estimate(args) -> list[dict]:
         held = held_layers(chunks, rank) if args.pp > 1 else list(chunks[0])
         model = meta_model(args.model, cfg, tuple(held))
         plan.check_model(cfg.num_hidden_layers, moe_layers(model)[0].num_experts, args.seq_len)
-        n = weight_elements(model, layout, compiled, args.fp8 == "all")
+        n = weight_elements(model, layout, compiled, args.fp8)
         per_layer = {layer: activations_per_token(hf, layer, width, args.recompute, args.cp, args.ep) for layer in held}
         # the head's inputs, and what the loss keeps from its forward to its backward: the last chunk's logits
         # (overwritten by their gradient) and, with several chunks, the earlier ones' weight-gradient sum
@@ -371,7 +371,7 @@ def estimate(args) -> list[dict]:
         moments = 8 * n["local"] - 4 * n["muon"] * muon   # AdamW's two, Muon's one
         row = dict(rank=rank, weights=4 * n["local"], gradients=4 * n["local"], optimizer=moments,
                    activations=tokens * in_flight(args.pp, micro_batches, rank, phases),
-                   fp8_cache=2 * sum(n["fp8"]) * bool(args.fp8) * (not plan.sharded))
+                   fp8_cache=2 * sum(n["fp8"]) * (not plan.sharded))
         if not plan.sharded:   # ComputeCasts: a copy of every weight held, kept for the step's micro-batches
             row["compute_copies"] = (width < 4) * width * n["local"]
             pairs = plan.world == 1 and micro_batches > 1   # (a pipeline's deferred ones are in_flight's)
@@ -379,7 +379,7 @@ def estimate(args) -> list[dict]:
         else:   # FSDP2: the root and two layers gathered (one prefetched), a layer's fp32 gradient before its reduce
             row["compute_copies"] = width * (n["root"] + 2 * n["gathered"])
             # and under --fp8 both layouts of one weight, quantized at each use (Fp8WeightCache(keep=False))
-            row["transient"] = 4 * n["gathered"] + 2 * max(n["fp8"], default=0) * bool(args.fp8)
+            row["transient"] = 4 * n["gathered"] + 2 * max(n["fp8"], default=0)
         # and the backward of a recomputed layer holds what its recompute made again, one micro-batch's
         row["transient"] += tokens * max(again for _, _, again in per_layer.values())
         row["optimizer_step"] = muon_step_bytes(model, layout, device.type == "cuda") if muon else 0

@@ -295,15 +295,12 @@ class Fp8WeightCache:
         per Qwen3-30B-A3B 4-layer step)."""
         if not self.keep:
             self.quantized += 1
-            return _weight_blocks(weight, transpose)
-        quantize = quantize_blocks if weight.is_cuda else quantize_blocks_reference
+            return _weight_blocks(weight, both=True)[1] if transpose else _weight_blocks(weight)
         source = getattr(weight, "grad_into", weight)
         state = (source._version, source.data_ptr())
         known = self.copies.get(id(source))
         if known is None or known[0] != state:
-            with torch.no_grad():
-                made = quantize(weight, both=True)
-            known = self.copies[id(source)] = (state, made)
+            known = self.copies[id(source)] = (state, _weight_blocks(weight, both=True))
             self.quantized += 1
         return known[1][transpose]
 
@@ -314,17 +311,9 @@ class Fp8WeightCache:
 
 
 @torch.no_grad()
-def _both_blocks(weight: torch.Tensor) -> tuple:
-    """quantize_blocks(weight, both=True): its blocks and their transposed, made now in one pass, held by no one."""
-    return (quantize_blocks if weight.is_cuda else quantize_blocks_reference)(weight, both=True)
-
-
-@torch.no_grad()
-def _weight_blocks(weight: torch.Tensor, transpose: bool = False) -> tuple:
-    """quantize_blocks(weight), or its transposed blocks, made now and held by no one."""
-    if transpose:
-        return _both_blocks(weight)[1]
-    return (quantize_blocks if weight.is_cuda else quantize_blocks_reference)(weight)
+def _weight_blocks(weight: torch.Tensor, both: bool = False) -> tuple:
+    """quantize_blocks(weight, both) by the kernel on CUDA, by the reference elsewhere: made now, held by no one."""
+    return (quantize_blocks if weight.is_cuda else quantize_blocks_reference)(weight, both=both)
 
 
 def _rows(x, kernel=None):
@@ -377,7 +366,7 @@ def _linear_forward(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor
     """-> (x @ weight.T in x's dtype, the FP8 blocks of x that the weight gradient reads (_columns(x)), then the
     weight's transposed blocks and scales, which the input gradient reads)."""
     rows = x.reshape(-1, x.shape[-1])
-    blocks, blocks_t = _both_blocks(weight)
+    blocks, blocks_t = _weight_blocks(weight, both=True)
     out = matmul_rows_blocks(_rows(rows), blocks, x.dtype)
     columns = (t.contiguous() for t in _columns(rows))   # the CPU reference's come out transposed
     return (out.view(*x.shape[:-1], weight.shape[0]), *columns, *(t.contiguous() for t in blocks_t))
