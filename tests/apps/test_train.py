@@ -19,13 +19,10 @@ from hf_compare import bpe_tokenizer, tiny_hf_folder
 from pith_apps.config import ConfigError, flops_per_token
 from pith_apps.data import (DEFAULT_CORPUS, ByteTokenizer, HFTokenizer, batch_at, document_ids, held_out_batch,
                              split_held_out, token_store)
-from pith_apps.models.layers import use_fp8
 from pith_apps.run_log import load_figure
-from pith_engine.compile import compile_stages
 from pith_engine.contract import moe_layers
 from pith_engine.optim import adamw, lr_at
 from pith_ops import gated_delta
-from pith_ops.fp8 import Fp8WeightCache
 
 QUICK = ["--steps", "60", "--batch-size", "8", "--seq-len", "64", "--warmup", "10", "--quiet"]
 
@@ -74,14 +71,17 @@ def test_bf16_compute_follows_the_fp32_run_and_keeps_fp32_weights_and_optimizer_
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (the device machine)")
-@pytest.mark.parametrize("model,fp8", [(model, False) for model in train_app.MODELS] + [("qwen3", True)])
-def test_the_replayed_cuda_graph_step_trains_and_evaluates_as_the_eager_step(model, fp8):
+@pytest.mark.parametrize("model,fp8,micro_batches", [(model, False, 1) for model in train_app.MODELS] +
+                         [("qwen3", True, 1), ("qwen3", False, 2)])
+def test_the_replayed_cuda_graph_step_trains_and_evaluates_as_the_eager_step(model, fp8, micro_batches):
     """On one GPU the app replays its step as a CUDA graph from step 3. train_on's loop (without its TensorBoard
     log), eagerly and through step_graph: the losses of 8 steps under a warmup schedule (the lr changes each step)
     and held-out losses evaluated before the capture and between replays (the bf16 copies of the weights and,
-    with --fp8, their FP8 blocks made afresh) match within 1e-4 (atomic adds in the embedding's backward)."""
+    with --fp8, their FP8 blocks made afresh; with 2 micro-batches the copies kept and written by AdamW) match within
+    1e-4 (atomic adds in the embedding's backward)."""
     args = train_app.parse_args([model, *QUICK, "--steps", "8", "--warmup", "8", "--eval-batches", "2", "--device",
-                                 "cuda", "--allow-slow-delta-rule"])   # qwen3_5: fla-core's kernels where they run
+                                 "cuda", "--allow-slow-delta-rule",   # qwen3_5: fla-core's kernels where they run
+                                 "--micro-batch-size", str(8 // micro_batches), *(["--fp8", "all"] if fp8 else [])])
     train_app.check_args(args)
     stream = torch.tensor(ByteTokenizer().encode(DEFAULT_CORPUS.read_text()))
     stream, held_out = split_held_out(stream, args.eval_batches, args.batch_size, args.seq_len)
@@ -89,12 +89,9 @@ def test_the_replayed_cuda_graph_step_trains_and_evaluates_as_the_eager_step(mod
     for graphed in (True, False):
         parallel, device = train_app.layout(args)
         net = train_app.build_model(train_app.MODELS[model][1], options.model_config(args), parallel, device,
-                                    torch.bfloat16, args.seed, args.seq_len, args.balance, 1)
-        compile_stages(net)
-        optimizer = adamw(net, args.lr, args.weight_decay)
-        if fp8:
-            use_fp8(net, Fp8WeightCache().watch(optimizer), dense=True)
-        graph = train_app.step_graph(args, parallel, device, net, optimizer) if graphed else None
+                                    torch.bfloat16, args.seed, args.seq_len, args.balance, micro_batches)
+        args.cuda_graph = graphed
+        optimizer, graph = train_app.prepare_step(args, parallel, device, net)   # compiled, FP8, copies kept
         losses, evals = [], []
         for step in range(args.steps):
             for group in optimizer.param_groups:

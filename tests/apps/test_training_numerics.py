@@ -12,7 +12,7 @@ from pith_apps.config import read_json
 from pith_apps.models.deepseek_v2 import DeepseekV2Config, DeepseekV2ForCausalLM
 from pith_apps.options import MODELS, PRESETS, check_args, model_config, parse_args
 from pith_apps.train import build_model, layout, train_step
-from pith_engine.data_parallel import add_grads_in_kernels, embedding, shard_model
+from pith_engine.data_parallel import add_grads_in_kernels, embedding, keep_compute_copies, shard_model
 from pith_engine.moe import LoadBalance, update_expert_bias
 from pith_engine.optim import adamw
 from pith_engine.parallel import Parallel
@@ -103,26 +103,58 @@ def test_one_process_casts_once_per_step_and_adds_each_micro_batch_into_the_fp32
     assert not torch.equal(seen[-1], seen[0])
 
 
-def test_the_app_step_drops_the_bf16_copies_before_its_last_backward():
-    """So that the last micro-batch's backward frees each copy after its layer: kept, they add the bf16 size of
-    every weight to the step's peak memory."""
-    args = parse_args(["qwen3", "--preset", "tiny", "--batch-size", "2", "--micro-batch-size", "1", "--seq-len",
-                       str(SEQ), "--device", "cpu", "--save-every", "0", "--dtype", "bfloat16"])
+def app_model(micro_batches):
+    args = parse_args(["qwen3", "--preset", "tiny", "--batch-size", str(micro_batches), "--micro-batch-size", "1",
+                       "--seq-len", str(SEQ), "--device", "cpu", "--save-every", "0", "--dtype", "bfloat16"])
     check_args(args)
     parallel, device = layout(args)
     model = build_model(MODELS["qwen3"][1], model_config(args), parallel, device, torch.bfloat16, 0, SEQ,
-                        micro_batches=2)
-    # one process, several micro-batches: the experts pair their weight gradients through the step's WgradPairs
-    assert all(layer.mlp.experts.wgrad_pairs is model.wgrad_pairs is not None for layer in model.layers.values()
-               if layer.is_moe)
-    kept, freed = [], []   # copies kept during each micro-batch's backward; copies alive after the step
+                        micro_batches=micro_batches)
+    return args, parallel, device, model
+
+
+def test_a_one_micro_batch_step_drops_the_bf16_copies_before_its_backward():
+    """So that the backward frees each copy after its layer: held, they add the bf16 size of every weight to the
+    step's peak memory (with one micro-batch the gradients are made in that backward)."""
+    args, parallel, device, model = app_model(1)
+    kept, freed = [], []   # copies held during the backward; copies alive after the step
     model.model.norm.register_full_backward_pre_hook(lambda module, grad: kept.append(len(model.compute_casts.copies)))
     model.register_forward_hook(lambda module, args, out: freed.extend(
         weakref.ref(c) for _, c in model.compute_casts.copies.values()))
-    train_step(args, parallel, device, model, adamw(model, 1e-3, 0.0), 1, *batch(model.config.vocab_size, rows=2),
+    train_step(args, parallel, device, model, adamw(model, 1e-3, 0.0), 1, *batch(model.config.vocab_size, rows=1),
                False)
-    assert kept == [len(list(model.parameters())), 0]
+    assert kept == [0]
     assert freed and all(ref() is None for ref in freed)
+
+
+def test_with_several_micro_batches_the_kernel_step_writes_the_kept_bf16_copies_and_no_forward_casts():
+    """keep_compute_copies (the app's one-process steps of several micro-batches): the copies stay in their memory
+    from step to step, AdamW's kernel writes each as it updates its parameter (its bf16 cast: the kernel test
+    checks the rounding), and the next step's forwards cast none; after an update that does not write them (torch's AdamW, as for
+    Muon's matrices) the next forward casts them again, in place. The experts pair their weight gradients through the step's WgradPairs."""
+    args, parallel, device, model = app_model(2)
+    assert all(layer.mlp.experts.wgrad_pairs is model.wgrad_pairs is not None for layer in model.layers.values()
+               if layer.is_moe)
+    optimizer = adamw(model, 1e-3, 0.0)
+    optimizer.use_kernel = True   # as on CUDA
+    keep_compute_copies(model, optimizer)
+    casts = []
+    model.compute_casts.copy_of = lambda param, cast=model.compute_casts.copy_of: (
+        casts.append(model.compute_casts.copies.get(id(param), [None])[0] != (param._version, param.data_ptr())),
+        cast(param))[1]
+    held = {}
+    for step in (1, 2, 3):
+        optimizer.use_kernel = step != 2   # torch's fused AdamW, which leaves the copies to the next forward
+        train_step(args, parallel, device, model, optimizer, step, *batch(model.config.vocab_size, rows=2, seed=step),
+                   False)
+        for param in model.parameters():
+            copy = model.compute_casts.copies[id(param)][1]
+            if step != 2:   # the cast, but for Triton's CPU interpreter, which truncates to bf16: within one bf16 step
+                assert ((param.detach() - copy.float()).abs() <= param.detach().abs() * 2 ** -7).all()
+            assert held.setdefault(id(param), copy.data_ptr()) == copy.data_ptr()
+    params = len(list(model.parameters()))
+    # cast by step 1's first forward and (in place) by step 3's, after torch's AdamW: by no other
+    assert casts == [True] * params + [False] * params * 3 + [True] * params + [False] * params
 
 
 class Experts(torch.nn.Module):

@@ -6,8 +6,10 @@ import torch
 
 import pith_engine.checkpoint as checkpoint
 from distributed import run_on_processes
+from conftest import KERNEL_DEVICE
 from pith_engine.data_parallel import clip_grad_norm, grad_norm
 from pith_engine.optim import adamw, clipped_step, lr_at
+from pith_ops.adamw import adamw_update
 
 
 def test_lr_schedule_warmup_then_cosine_to_the_floor():
@@ -137,6 +139,29 @@ def test_the_kernel_steps_as_torchs_fused_adamw_and_torch_continues_from_its_sta
             for key in ("exp_avg", "exp_avg_sq"):
                 assert torch.allclose(ours.state[a][key].float(), torchs.state[b][key].float(), rtol=tolerance,
                                       atol=1e-8)
+
+
+def test_the_kernel_writes_the_compute_copy_as_the_bf16_cast_of_the_updated_parameter():
+    """adamw_update's `copy` (mixed precision's bf16 weights): the fp32 parameter after the update in bf16, which on
+    CUDA is torch's cast (rounded to nearest) bit for bit; Triton's CPU interpreter truncates to bf16, so there it
+    is within one bf16 step (2**-7 relative) below the magnitude. A skipped step (found_inf) leaves it as it was."""
+    generator = torch.Generator().manual_seed(3)
+    param, grad = (torch.randn(3000, generator=generator).to(KERNEL_DEVICE) for _ in range(2))
+    moments = [torch.zeros_like(param) for _ in range(2)]
+    bf16 = torch.zeros_like(param, dtype=torch.bfloat16)
+    scalars = [torch.tensor(v, device=KERNEL_DEVICE) for v in (1.0, 0.1, 1.0)]   # step, lr, grad_scale
+    for skip in (0.0, 1.0):
+        before = bf16.clone()
+        adamw_update(param, grad, *moments, *scalars[:2], (0.9, 0.95), 1e-8, 0.1, scalars[2],
+                     torch.tensor(skip, device=KERNEL_DEVICE), bf16)
+        if skip:
+            assert torch.equal(bf16, before)
+        elif KERNEL_DEVICE == "cuda":
+            assert torch.equal(bf16, param.to(torch.bfloat16))
+        else:
+            assert (bf16.abs() <= param.abs()).all()
+            assert ((param - bf16.float()).abs() <= param.abs() * 2 ** -7).all()
+    assert not torch.equal(bf16.float(), torch.zeros_like(param))
 
 
 @pytest.mark.parametrize("use_kernel", [False, True])

@@ -33,8 +33,8 @@ from pith_engine.context_parallel import zigzag_part
 from pith_engine.contract import check_model, moe_layers
 from pith_engine.cuda_graph import CaptureError, StepGraph
 from pith_engine.dualpipev import Pipeline, chunk_layers, held_layers, schedule
-from pith_engine.data_parallel import (drop_compute_copies, grad_norm, local_part, pair_expert_wgrads,
-                                       release_forward_weights, shard_model)
+from pith_engine.data_parallel import (drop_compute_copies, grad_norm, keep_compute_copies, local_part,
+                                       pair_expert_wgrads, release_forward_weights, shard_model)
 from pith_engine.moe import update_expert_bias
 from pith_engine.muon import muon
 from pith_engine.optim import adamw, clipped_step, lr_at
@@ -227,6 +227,8 @@ def prepare_step(args, parallel: Parallel, device: torch.device, model) -> tuple
         compile_stages(model)
     optimizer = muon(model, hidden_matrices(model), args.lr, args.weight_decay, args.muon_momentum, args.nesterov,
                      args.ns_steps) if args.optimizer == "muon" else adamw(model, args.lr, args.weight_decay)
+    if micro_batches_per_rank(args, parallel) > 1:
+        keep_compute_copies(model, optimizer)   # the optimizer writes the bf16 copies (one-process mixed precision)
     if args.fp8:
         cache = Fp8WeightCache(keep=not parallel.sharded).watch(optimizer)   # FSDP2 gathers each use anew
         use_fp8(model, cache, dense=args.fp8 == "all")

@@ -67,12 +67,14 @@ class ComputeCasts:
     its backward adds the gradient into the fp32 `.grad` in one pass (AddIntoGrad), where a cast in the
     graph would write an fp32 gradient and then add it. Each copy names its parameter as `grad_into`, so that
     a kernel that can add in fp32 itself does (grouped_linear's weight gradient, `embedding`), returning no
-    gradient to autograd. The copies are dropped as every optimizer step starts (fused AdamW writes the parameters
-    without bumping their version counters) or earlier by drop_compute_copies; other changes are seen
-    through the version counter, which every in-place write bumps (loads, init) except one through `.data`."""
+    gradient to autograd. Every optimizer step makes the copies stale as it starts (fused AdamW writes the
+    parameters without bumping their version counters): they are dropped, or, `kept` (keep_compute_copies), kept in
+    their memory for pith_engine.optim.AdamW to write as it updates their parameters (copy_to_update), and cast
+    again in place where it did not. drop_compute_copies drops copies that are not kept earlier. Other changes are
+    seen through the version counter, which every in-place write bumps (loads, init) except one through `.data`."""
 
     def __init__(self, dtype: torch.dtype):
-        self.dtype, self.swapped, self.copies = dtype, [], {}
+        self.dtype, self.swapped, self.copies, self.kept = dtype, [], {}, False
         hook = register_optimizer_step_pre_hook(forget_copies_of(weakref.ref(self)))
         weakref.finalize(self, hook.remove)
 
@@ -84,11 +86,22 @@ class ComputeCasts:
     def copy_of(self, param: torch.Tensor) -> torch.Tensor:
         state = (param._version, param.data_ptr())   # an in-place update or a new storage makes it stale
         known = self.copies.get(id(param))
-        if known is None or known[0] != state:
-            known = self.copies[id(param)] = (state, param.detach().to(self.dtype))
+        if known is not None and known[0] != state and self.kept and known[1].shape == param.shape:
+            known[0] = state   # cast again in place, into the memory a replayed CUDA graph of the step reads
+            known[1].copy_(param.detach())
+        elif known is None or known[0] != state:
+            known = self.copies[id(param)] = [state, param.detach().to(self.dtype)]
         copy = AddIntoGrad.apply(param, known[1])
         copy.grad_into = param   # for a kernel that adds its gradient into param.grad itself (grouped_linear)
         return copy
+
+    def copy_to_update(self, param: torch.Tensor) -> torch.Tensor | None:
+        """For the optimizer about to update param (and write the result in its copy): the kept copy, from then on
+        current (None where none is kept)."""
+        known = self.copies.get(id(param)) if self.kept else None
+        if known is not None:
+            known[0] = (param._version, param.data_ptr())
+        return None if known is None else known[1]
 
     def cast(self, model, args):
         for module in model.modules():
@@ -122,12 +135,24 @@ def pair_expert_wgrads(model: MoeModel) -> WgradPairs:
     return pairs
 
 
-def drop_compute_copies(model: torch.nn.Module):
-    """Forget the bf16 copies a one-process mixed-precision model keeps for its next forward (nothing on other
-    layouts). For after the step's last forward: its backward then frees each copy once its layer is done,
-    where the kept copies (the bf16 size of every weight) would add to the backward's peak memory."""
+def keep_compute_copies(model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+    """For a one-process mixed-precision model that takes several micro-batches per step: its bf16 copies live from
+    step to step and `optimizer` (pith_engine.optim.AdamW, or Muon) writes each as it updates its parameter (the
+    step then casts no weight: bench/RESULTS.md). Their memory is not freed by the last backward
+    (drop_compute_copies leaves them), which with several micro-batches lowers no peak: the copies are alive
+    at each earlier micro-batch's backward."""
     casts = getattr(model, "compute_casts", None)
     if casts is not None:
+        casts.kept, optimizer.compute_casts = True, casts
+
+
+def drop_compute_copies(model: torch.nn.Module):
+    """Forget the bf16 copies a one-process mixed-precision model holds for its next forward, unless they are kept
+    (keep_compute_copies; nothing on other layouts). For after the step's last forward: its backward then frees each
+    copy once its layer is done, where the held copies (the bf16 size of every weight) would add to the backward's
+    peak memory."""
+    casts = getattr(model, "compute_casts", None)
+    if casts is not None and not casts.kept:
         casts.copies.clear()
 
 
@@ -173,11 +198,11 @@ def _fsdp_param_groups(model):
 
 
 def release_forward_weights(model: torch.nn.Module):
-    """After forwards with no backward to follow (evaluation): drop a one-process model's bf16 copies and the FP8
-    blocks its `fp8_cache` made (pith_apps' use_fp8), which a replayed step (StepGraph: no optimizer hook drops
-    them) would otherwise read stale, and put the weights FSDP's root gathered back into shards (the root keeps
-    them after its forward for the backward that usually follows; until resharded, the model's parameters are not
-    the optimizer's, which a save reads)."""
+    """After forwards with no backward to follow (evaluation): drop a one-process model's bf16 copies (but kept ones,
+    which its optimizer writes in a replayed step too) and the FP8 blocks its `fp8_cache` made (pith_apps' use_fp8),
+    which a replayed step (StepGraph: no optimizer hook drops them) would otherwise read stale, and put the weights
+    FSDP's root gathered back into shards (the root keeps them after its forward for the backward that usually
+    follows; until resharded, the model's parameters are not the optimizer's, which a save reads)."""
     drop_compute_copies(model)
     if getattr(model, "fp8_cache", None) is not None:
         model.fp8_cache.new_step()
@@ -186,11 +211,14 @@ def release_forward_weights(model: torch.nn.Module):
 
 
 def forget_copies_of(casts_ref):
-    """An optimizer-step hook that drops the copies of the ComputeCasts behind the weak reference (a weak one,
-    so that the hook, which torch keeps for the process, does not keep the copies alive)."""
+    """An optimizer-step hook that drops the copies of the ComputeCasts behind the weak reference, or marks kept ones
+    stale (a weak one, so that the hook, which torch keeps for the process, does not keep the copies alive)."""
     def hook(optimizer, args, kwargs):
         casts = casts_ref()
-        if casts is not None:
+        if casts is not None and casts.kept:
+            for known in casts.copies.values():
+                known[0] = None
+        elif casts is not None:
             casts.copies.clear()
     return hook
 

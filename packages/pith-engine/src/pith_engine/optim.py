@@ -32,11 +32,13 @@ class AdamW(torch.optim.AdamW):
     (4 layers, 3.1 B parameters) the update took 11.9 ms in bf16 and 23.1 in fp32, where torch's fused
     AdamW took 19 and 25 (bench/RESULTS.md). grad_scale and found_inf set as attributes (clipped_step) act
     as in torch's: each gradient divided by the scale, the update and the step count skipped where found_inf
-    is nonzero. A group's lr may be a 0-dim tensor, as in torch's: the kernel reads it on the GPU."""
+    is nonzero. A group's lr may be a 0-dim tensor, as in torch's: the kernel reads it on the GPU. compute_casts (a
+    pith_engine.data_parallel.ComputeCasts whose copies are kept, set by keep_compute_copies): the kernel writes
+    each parameter's bf16 copy as it updates the parameter, where the next forward would cast it anew."""
 
     def __init__(self, params, use_kernel: bool | None = None, **options):
         super().__init__(params, fused=True, **options)
-        self.use_kernel = use_kernel
+        self.use_kernel, self.compute_casts = use_kernel, None
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -66,9 +68,11 @@ class AdamW(torch.optim.AdamW):
         lrs = {id(group): lr_tensor(group["lr"], device) for group in groups}
         states = [self.state_of(p) for p, _ in with_grads]
         count_step(states, found_inf)
+        casts = self.compute_casts
         for (p, group), state in zip(with_grads, states):
             adamw_update(*(local_part(t) for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"])), state["step"],
-                         lrs[id(group)], group["betas"], group["eps"], group["weight_decay"], grad_scale, found_inf)
+                         lrs[id(group)], group["betas"], group["eps"], group["weight_decay"], grad_scale, found_inf,
+                         None if casts is None else casts.copy_to_update(p))
 
     def kernel_on(self, device: torch.device) -> bool:
         """Whether the step runs pith_ops' kernels (use_kernel; default: on CUDA) for parameters on device."""
