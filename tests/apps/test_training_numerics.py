@@ -12,7 +12,8 @@ from pith_apps.config import read_json
 from pith_apps.models.deepseek_v2 import DeepseekV2Config, DeepseekV2ForCausalLM
 from pith_apps.options import MODELS, PRESETS, check_args, model_config, parse_args
 from pith_apps.train import build_model, layout, train_step
-from pith_engine.data_parallel import add_grads_in_kernels, embedding, keep_compute_copies, shard_model
+from pith_engine.data_parallel import (add_grads_in_kernels, embedding, keep_compute_copies, shard_model,
+                                       version_of)
 from pith_engine.moe import LoadBalance, update_expert_bias
 from pith_engine.optim import adamw
 from pith_engine.parallel import Parallel
@@ -138,10 +139,12 @@ def test_with_several_micro_batches_the_kernel_step_writes_the_kept_bf16_copies_
     optimizer = adamw(model, 1e-3, 0.0)
     optimizer.use_kernel = True   # as on CUDA
     keep_compute_copies(model, optimizer)
-    casts = []
-    model.compute_casts.copy_of = lambda param, cast=model.compute_casts.copy_of: (
-        casts.append(model.compute_casts.copies.get(id(param), [None])[0] != (param._version, param.data_ptr())),
-        cast(param))[1]
+    casts, computed = [], model.compute_casts
+
+    def counting_copy_of(param, copy_of=computed.copy_of):   # whether each copy asked for is cast first
+        casts.append(computed.copies.get(id(param), [None])[0] != version_of(param))
+        return copy_of(param)
+    computed.copy_of = counting_copy_of
     held = {}
     for step in (1, 2, 3):
         optimizer.use_kernel = step != 2   # torch's fused AdamW, which leaves the copies to the next forward

@@ -84,7 +84,7 @@ class ComputeCasts:
         model.register_forward_hook(self.restore, always_call=True)   # also when the forward raises
 
     def copy_of(self, param: torch.Tensor) -> torch.Tensor:
-        state = (param._version, param.data_ptr())   # an in-place update or a new storage makes it stale
+        state = version_of(param)
         known = self.copies.get(id(param))
         if known is not None and known[0] != state and self.kept and known[1].shape == param.shape:
             known[0] = state   # cast again in place, into the memory a replayed CUDA graph of the step reads
@@ -99,9 +99,10 @@ class ComputeCasts:
         """For the optimizer about to update param (and write the result in its copy): the kept copy, from then on
         current (None where none is kept)."""
         known = self.copies.get(id(param)) if self.kept else None
-        if known is not None:
-            known[0] = (param._version, param.data_ptr())
-        return None if known is None else known[1]
+        if known is None:
+            return None
+        known[0] = version_of(param)
+        return known[1]
 
     def cast(self, model, args):
         for module in model.modules():
@@ -114,6 +115,12 @@ class ComputeCasts:
         for module, name, param in self.swapped:
             module._parameters[name] = param
         self.swapped.clear()
+
+
+def version_of(param: torch.Tensor) -> tuple[int, int]:
+    """What a copy of param was made from: an in-place update (but an optimizer's fused one) or a new storage
+    changes it."""
+    return param._version, param.data_ptr()
 
 
 def add_grads_in_kernels(model: torch.nn.Module):
@@ -137,8 +144,8 @@ def pair_expert_wgrads(model: MoeModel) -> WgradPairs:
 
 def keep_compute_copies(model: torch.nn.Module, optimizer: torch.optim.Optimizer):
     """For a one-process mixed-precision model that takes several micro-batches per step: its bf16 copies live from
-    step to step and `optimizer` (pith_engine.optim.AdamW, or Muon) writes each as it updates its parameter (the
-    step then casts no weight: bench/RESULTS.md). Their memory is not freed by the last backward
+    step to step and `optimizer` (pith_engine.optim.AdamW, or Muon) writes each as it updates its parameter, so the
+    step casts no weight (not yet measured on a GPU). Their memory is not freed by the last backward
     (drop_compute_copies leaves them), which with several micro-batches lowers no peak: the copies are alive
     at each earlier micro-batch's backward."""
     casts = getattr(model, "compute_casts", None)

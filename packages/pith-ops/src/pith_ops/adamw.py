@@ -45,11 +45,10 @@ def adamw_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     another dtype, or None): the updated param in copy's dtype, as a cast after the step would write it, without
     reading param again. All these tensors contiguous, of one shape; step, lr, grad_scale and found_inf 0-dim
     tensors on their device."""
-    if not all(t.is_contiguous() and t.shape == param.shape for t in (grad, exp_avg, exp_avg_sq, param if copy is None
-                                                                      else copy)):
+    copy_or_param = param if copy is None else copy   # the kernel's copy pointer, stored to only given a copy
+    if not all(t.is_contiguous() and t.shape == param.shape for t in (grad, exp_avg, exp_avg_sq, copy_or_param)):
         raise ValueError(f"adamw_update: parameter {tuple(param.shape)}, its gradient, moments and compute copy must "
                          "be contiguous tensors of that shape")
-    _adamw_kernel[(triton.cdiv(param.numel(), block),)](param, grad, exp_avg, exp_avg_sq, param if copy is None else copy,
-                                                        step, lr, grad_scale, found_inf, param.numel(), betas[0],
+    _adamw_kernel[(triton.cdiv(param.numel(), block),)](param, grad, exp_avg, exp_avg_sq, copy_or_param, step, lr, grad_scale, found_inf, param.numel(), betas[0],
                                                         betas[1], eps, weight_decay, copy is not None, BLOCK=block,
                                                         num_warps=num_warps)
