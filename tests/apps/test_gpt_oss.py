@@ -127,9 +127,13 @@ def test_mxfp4_experts_load_as_the_same_model_as_bf16(tmp_path, experts, top_k):
     for directory in (bf16_dir, mxfp4_dir):
         rank_experts = GptOssExperts(quantized.config, Parallel(ep=2, rank=1))
 
-        class RankModel:
+        class RankModel(torch.nn.Module):   # what the rank holds: these experts of layer 1
+            def __init__(self):
+                super().__init__()
+                self.experts = rank_experts
+
             def hf_views(self):
-                return rank_experts.hf_views("model.layers.1.mlp.experts")
+                return self.experts.hf_views("model.layers.1.mlp.experts")
         load_hf_weights(RankModel(), directory)
         for name, param in rank_experts.named_parameters():
             assert torch.equal(param, quantized.layers[1].mlp.experts.get_parameter(name)[experts // 2:]), name

@@ -1,7 +1,8 @@
 """No lost work, round two: a run refused for any reason leaves --out as it found it, the run that --overwrite
 would have replaced included (deleted only when the new run begins its first step); a checkpoint's own
 description (meta.json, `latest`) is checked as its files are; the advice after a non-finite step names a
-checkpoint from before the loss rose; SIGTERM to torchrun ends as the README says."""
+checkpoint from before the loss rose; SIGTERM to torchrun ends as the README says, and kill -9 of torchrun stops its
+workers with a checkpoint."""
 import json
 import signal
 import subprocess
@@ -193,3 +194,38 @@ def test_sigterm_to_torchrun_saves_and_ends_as_the_readme_says(tmp_path):
     assert checkpoint.latest(tmp_path / "checkpoints").name == f"step-{step:08d}"
     assert launch.returncode == 1 and err.strip().splitlines()[-1].startswith(
         "torch.distributed.elastic.multiprocessing.api.SignalException: Process ") and "got signal: 15" in err
+
+
+def straight_and_resumed(rank, world, root, flags):
+    """The run uninterrupted, then the killed one resumed, to the same step on these two processes."""
+    straight, resumed = run(root / "straight", *flags), run(root / "run", *flags, "--resume")
+    if rank == 0:
+        (root / "losses.json").write_text(json.dumps(dict(straight=straight, resumed=resumed)))
+
+
+def test_a_kill_of_torchrun_stops_its_workers_with_a_checkpoint_and_resume_repeats_the_run(tmp_path, monkeypatch):
+    """kill -9 of torchrun alone leaves its workers (each in a session of its own) running: each sees after its step
+    that its parent is gone, the ranks stop after one step, save it and exit: within 20 s of the kill (1.5-3 s here).
+    --resume then trains the uninterrupted run's losses (float32 on CPU: bit-identical)."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")   # one thread in torchrun's workers and the spawned processes alike
+    flags = ["--dp", "2", "--device", "cpu", "--save-every", "2"]
+    launch = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                               str(free_port()), "-m", "pith_apps.train", *QUICK, *flags, "--steps", "40", "--out",
+                               str(tmp_path / "run")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    while not (tmp_path / "run" / "checkpoints" / "latest").exists():
+        assert launch.poll() is None, launch.communicate()
+        time.sleep(0.1)
+    launch.kill()
+    killed = time.monotonic()
+    out, err = launch.communicate(timeout=120)   # the workers hold torchrun's pipes: read until both exited
+    elapsed = time.monotonic() - killed
+    stopped = [line for line in out.splitlines() if line.startswith("stopped by ")]
+    assert len(stopped) == 1 and elapsed < 20, (elapsed, out, err[-3000:])
+    step = int(stopped[0].split(" after step ")[1].split(":")[0])
+    assert stopped[0] == (f"stopped by its launcher's death (torchrun, pid {launch.pid}) after step {step}: checkpoint "
+                       f"step-{step:08d}; continue with --resume")
+    assert checkpoint.latest(tmp_path / "run" / "checkpoints").name == f"step-{step:08d}"
+    assert checkpoint.damage(tmp_path / "run" / "checkpoints" / f"step-{step:08d}") is None
+    run_on_processes(2, straight_and_resumed, tmp_path, [*flags, "--steps", str(step + 3)])
+    losses = json.loads((tmp_path / "losses.json").read_text())
+    assert len(losses["resumed"]) == 3 and losses["resumed"] == losses["straight"][step:]

@@ -4,9 +4,10 @@ Face folder to a weights checkpoint that any layout loads.
   python -m pith_apps.convert runs/qwen3-tiny/checkpoints/step-00000300 my-model [--dtype bfloat16]
   python -m pith_apps.convert my-hf-model weights-checkpoint
 
-Either way the model is built whole in this process's memory, in fp32 on the CPU. A training run uses the
-same two paths on several processes: --init has rank 0 turn the folder into a weights checkpoint that every
-rank loads its part of, and --export-hf has rank 0 export the run's last checkpoint.
+A checkpoint is exported one decoder layer at a time (the first with the embedding, the last with the final norm
+and LM head), so the process holds one layer's fp32 weights, never the whole model's; a Hugging Face folder is read
+into the whole model in this process's memory (fp32, on the CPU). A training run needs neither: --init reads the
+Hugging Face folder and --export-hf writes one on any layout, each process its own part.
 """
 import sys
 from pathlib import Path
@@ -14,7 +15,7 @@ from pathlib import Path
 import torch
 
 from pith_apps.config import ConfigError, read_json, require
-from pith_apps.hf_checkpoint import check_replaceable, load_hf_weights, save_hf
+from pith_apps.hf_checkpoint import HfFolder, check_replaceable, held_parts, load_hf_weights, pairs
 from pith_apps.options import DTYPES, FAMILY_OF, MODELS, TOKENIZER_FILES, OneLineParser
 from pith_engine import checkpoint
 from pith_engine.parallel import Parallel
@@ -39,22 +40,26 @@ def tokenizer_files(tokenizer) -> dict:
                                        if file.with_name(name).is_file()}
 
 
-def checkpoint_to_hf(path, out, dtype: torch.dtype | None = None, alone: bool = False):
+def checkpoint_to_hf(path, out, dtype: torch.dtype | None = None):
     """The checkpoint's weights as a Hugging Face folder (its config.json, safetensors shards and index in dtype,
-    default fp32; the run's tokenizer files when they are still where the run read them)."""
+    default fp32; the run's tokenizer files when they are still where the run read them), one layer at a time."""
     try:
         meta = checkpoint.read_meta(path)
+        require("hf_config" in meta, f"checkpoint '{path}' does not record its model's config (saved by an older "
+                "Pith); resume it for one step with --export-hf instead")
+        require(not (problem := checkpoint.damage(path)), str(problem))
+        config_cls, model_cls = MODELS[meta["model"]]
+        cfg = config_cls.from_dict(meta["hf_config"])
+        with torch.device("meta"):   # the files' plan from the whole model's shapes, nothing allocated
+            plan = held_parts(model_cls(cfg, Parallel()))
+        folder = HfFolder(out, [(part.name, pairs(part.box)) for part in plan], dtype or torch.float32)
+        for layer in range(cfg.num_hidden_layers):
+            model = model_cls(cfg, Parallel(), held_layers=[layer])
+            checkpoint.load_weights(path, model, verify=False)   # (checked whole above)
+            folder.write(held_parts(model))
+        folder.finish(meta["hf_config"], tokenizer_files(meta.get("tokenizer")))
     except checkpoint.CheckpointError as err:
         raise ConfigError(str(err)) from None
-    require("hf_config" in meta, f"checkpoint '{path}' does not record its model's config (saved by an older Pith); "
-            "resume it for one step with --export-hf instead")
-    model = whole_model(meta["model"], meta["hf_config"])
-    try:
-        checkpoint.load_weights(path, model, alone)
-    except checkpoint.CheckpointError as err:
-        raise ConfigError(str(err)) from None
-    try:
-        save_hf(model, meta["hf_config"], out, dtype=dtype, extra_files=tokenizer_files(meta.get("tokenizer")))
     except OSError as err:
         raise ConfigError(f"could not write the Hugging Face folder {out} ({err.strerror or err})") from None
 

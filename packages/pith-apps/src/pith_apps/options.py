@@ -57,8 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--config", help="A Hugging Face config.json to use instead of the preset.")
     add("--init", metavar="DIR", help="Start from the Hugging Face model folder DIR: its config.json (instead of "
         "--preset and --config), its safetensors weights and, unless --tokenizer is given, its tokenizer.json. "
-        "On several processes rank 0 first writes the weights as a checkpoint in <out>/init-weights, which every "
-        "rank loads its part of (then deleted). DIR may also be a checkpoint of the app (step-N): its model, weights and tokenizer, "
+        "Every process reads only the slices of the files its part of the model holds. DIR may also be a checkpoint of the app (step-N): its model, weights and tokenizer, "
         "a new run (its optimizer state and step are not taken: that is --resume-from).")
     add("--layers", type=int, help="Use N decoder layers, for experiments: the config's first N, or, for a run that "
         "does not start from --init weights, more than the config has, its pattern of layers repeated (enough "
@@ -74,8 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--text-field", default="text", help="The column of a .jsonl, .json, .parquet or .arrow dataset that holds "
         "the documents; a .txt file's lines are its documents (default: text).")
     add("--export-hf", metavar="DIR", help="At the end of the run, write the trained model to DIR as a Hugging Face "
-        "folder: config.json, safetensors weights in the compute dtype and the tokenizer's files. On several "
-        "processes the last step is checkpointed and rank 0 exports that checkpoint (as pith-convert does).")
+        "folder: config.json, safetensors weights in the compute dtype and the tokenizer's files. Every process "
+        "writes its own part of the weights into the files (DIR must be one folder that every node sees).")
     add("--tokenizer", metavar="PATH", help="A Hugging Face tokenizer.json, or a folder holding one (and its "
         "tokenizer_config.json, which names the end-of-document token); default: UTF-8 bytes, 257 tokens.")
     add("--out", help="The run folder for TensorBoard logs and checkpoints (default: runs/<model>-<preset>, or "
@@ -146,6 +145,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--overlap", action=argparse.BooleanOptionalAction, help="With --pp and --ep: in each pipeline pair, the "
         "forward and the backward take turns at their all-to-alls, so that one's exchange runs while the other "
         "computes (default: on); --no-overlap runs them one after the other (what the overlap buys).")
+    add("--dist-timeout", type=float, default=1800, metavar="SECONDS", help="On several processes: how long a process "
+        "waits in any collective or transfer before it stops with a line naming what it waited in, with which ranks, "
+        "and writes its recent collectives under <out>/comm-trace (default: 1800, above the longest wait a sound run "
+        "makes: a first step's compiles, a checkpoint or export of a large model).")
     add("--save-every", type=int, default=100, help="Checkpoint every N steps and at the end; 0 saves nothing, for "
         "a measurement rather than a run to keep (default: 100).")
     add("--resume", action="store_true", help="Continue from the newest checkpoint in <out>/checkpoints.")
@@ -229,6 +232,7 @@ def check_args(args):
     require(args.balance in (None, *BALANCE_MODES), f"unknown --balance '{args.balance}'; valid: {', '.join(BALANCE_MODES)}")
     require(args.peak_tflops is None or args.peak_tflops > 0, f"--peak-tflops={args.peak_tflops} must be > 0")
     require(args.eval_every >= 0, f"--eval-every={args.eval_every} must be >= 0 (0: no evaluation)")
+    require(args.dist_timeout > 0, f"--dist-timeout={args.dist_timeout} must be > 0 (seconds)")
     require(args.save_every >= 0, f"--save-every={args.save_every} must be >= 0 (0: no checkpoints)")
     require(not (args.overwrite and (args.resume or args.resume_from)),
             "--overwrite starts the run over; it cannot go with --resume or --resume-from")

@@ -6,19 +6,24 @@ streams batches from a text dataset (each data rank reads its share of every glo
 with AdamW or Muon, showing a progress bar, writing TensorBoard scalars to <out>/tb and atomic distributed
 checkpoints to <out>/checkpoints that --resume continues from, under the same or another layout.
 """
+import contextlib
 import dataclasses
 import functools
 import gc
 import json
 import math
 import os
-import shutil
+import pickle
+import re
 import sys
 import time
+import traceback
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 from pith_apps.config import ConfigError, flops_per_token, read_json, require
 from pith_apps.data import (ByteTokenizer, HFTokenizer, batch_at, document_ids, held_out_batch, split_held_out,
@@ -61,16 +66,22 @@ def train(args) -> list[float]:
         log(busy)
     stream = training_tokens(args, cfg, log=log)
     stream, held_out = split_held_out(stream, args.eval_batches if args.eval_every else 0, args.batch_size, args.seq_len)
-    joined = join_processes(args)
+    joined = join_processes(args, out)
     from pith_apps.run_folder import RunFolder   # heavy import (DCP, DTensor: ~0.8 s): only when training
     folder = RunFolder(out)
     try:
         parallel, device = layout(args)
         run_id, resume_from = on_lead(parallel, lambda: folder.open(
             args.model, config_dict(cfg), args.resume, args.resume_from, args.overwrite))
+        if device.type == "cuda":   # where NCCL's watchdog writes a timed-out rank's collectives (join_processes)
+            (out / "comm-trace").mkdir(exist_ok=True)
         return train_on(args, cfg, parallel, device, (stream, held_out), folder, run_id, resume_from)
     except NonFinite as err:
         raise ConfigError(f"{err}; {on_lead(parallel, lambda: folder.way_back(run_id, args.lr))}") from None
+    except RuntimeError as err:   # gloo's "Timed out waiting", NCCL's watchdog "timeout"
+        if joined and re.search(r"[Tt]imed out|timeout", str(err)):
+            raise TimedOut(waited_in(err, args.dist_timeout, out)) from None
+        raise
     finally:
         folder.release()
         if joined:
@@ -120,14 +131,59 @@ def on_lead(parallel: Parallel, work):
     return outcome[0]
 
 
-def join_processes(args) -> bool:
-    """Join torchrun's process group when launched by it and not joined yet (gloo on CPU, NCCL on CUDA)."""
+def join_processes(args, out: Path) -> bool:
+    """Join torchrun's process group when launched by it and not joined yet (gloo on CPU, NCCL on CUDA, its
+    communicator made now, on this process's GPU: device_id). Every group's waits, the device mesh's groups made
+    later included, time out after --dist-timeout, and each records its recent collectives (torch's flight recorder),
+    which NCCL's watchdog writes under <out>/comm-trace on a timeout (`waited_in` does on CPU)."""
     if int(os.environ.get("WORLD_SIZE", "1")) == 1 or dist.is_initialized():
         return False
+    timeout, device = timedelta(seconds=args.dist_timeout), None
+    c10d.default_pg_timeout = c10d.default_pg_nccl_timeout = timeout   # new_group's default: else torch's 30 / 10 min
+    for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"):
+        os.environ.setdefault(name, "2000")
+    os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+    os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(out.absolute() / "comm-trace" / "rank_"))
     if args.device.startswith("cuda"):
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo")
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device else "gloo", timeout=timeout, device_id=device)
     return True
+
+
+class TimedOut(ConfigError):
+    """A wait for other ranks ran past --dist-timeout; every rank that timed out says so (main)."""
+
+
+def waited_in(err: RuntimeError, seconds: float, out: Path) -> str:
+    """The line of a rank whose wait timed out: the operation (the torch.distributed call under the innermost line of
+    Pith's code in the traceback; for a wait on work issued earlier, the last collective the flight recorder holds),
+    its group's ranks and that line. The recorder's collectives (as NCCL's watchdog writes them) go to
+    <out>/comm-trace/rank_<rank>."""
+    op = group = None
+    site = "?"
+    for frame, line in traceback.walk_tb(err.__traceback__):
+        file, code = frame.f_code.co_filename, frame.f_code.co_name
+        if "/pith_" in file:
+            op, group, site = None, None, f"{Path(file).name}:{line} ({code})"
+        elif file.endswith("distributed_c10d.py") and op is None:
+            ops = frame.f_locals.get("p2p_op_list") or [None]
+            op, group = code, frame.f_locals.get("group") or getattr(ops[0], "group", None)
+    rank, trace, recent = dist.get_rank(), out / "comm-trace", None
+    with contextlib.suppress(OSError, RuntimeError, KeyError):
+        recent = pickle.loads(torch._C._distributed_c10d._dump_fr_trace())
+        ranks = lambda name: str(dist.get_process_group_ranks(c10d._resolve_process_group(name)))
+        recent["pg_config"] = {name: dict(name=name, desc=desc, ranks=ranks(name))   # (gloo's are empty; torchfrtrace
+                               for name, desc in {e["process_group"] for e in recent["entries"]}}   # reads them)
+        trace.mkdir(parents=True, exist_ok=True)
+        (trace / f"rank_{rank}").write_bytes(pickle.dumps(recent))
+    if op is None and recent and recent["entries"]:
+        last = recent["entries"][-1]
+        op, group = last["profiling_name"].split(":")[-1], c10d._resolve_process_group(last["process_group"][0])
+    what = f"{op} with ranks {dist.get_process_group_ranks(group or dist.group.WORLD)}" if op else "a wait"
+    return (f"rank {rank} waited {seconds:g} s (--dist-timeout) in {what} at {site}: a rank it waits for is stuck or "
+            f"gone; its recent collectives are in {trace / f'rank_{rank}'} (skills/pith-apps/launch/SKILL.md reads "
+            "them); the last checkpoint is intact")
 
 
 def busy_cpu_advice(load: float, cores: int, threads: int) -> str | None:
@@ -267,7 +323,7 @@ def train_on(args, cfg, parallel: Parallel, device: torch.device, data, folder, 
         pipeline = Pipeline(model, parallel, dtype, chunks, defer_wgrad=True,
                             overlap=parallel.ep > 1 and args.overlap is not False)   # --no-overlap: one side at a time
     if args.init and not resume_from:   # a resumed run's weights come from its checkpoint
-        init_from_hf(args, parallel, model, folder)
+        init_from_hf(args, model)
     optimizer, graph = prepare_step(args, parallel, device, model)
     if args.save_every:
         size = checkpoint_bytes(model, optimizer, parallel)
@@ -286,7 +342,6 @@ def train_on(args, cfg, parallel: Parallel, device: torch.device, data, folder, 
                                                                        dp_replicate=parallel.dp_replicate),
                       model=args.model, hf_config=hf_config, tokenizer=args.tokenizer, batches=batches,
                       optimizer=args.optimizer)
-    export_checkpoint = args.export_hf and parallel.world > 1   # several processes export from the last checkpoint
     with StopSignals() as signals, RunLog(folder.tb, start, lead, args.image_every) as log:
         for step in range(start, args.steps):
             tic = time.perf_counter()
@@ -310,19 +365,18 @@ def train_on(args, cfg, parallel: Parallel, device: torch.device, data, folder, 
                 evals.append(evaluate(args, parallel, device, model, held_out, pipeline))
                 log.eval(step + 1, evals[-1])
             progress(loss_value, tokens_per_s, evals[-1] if evaluated else None)
-            if (args.save_every and ((step + 1) % args.save_every == 0 or step + 1 == args.steps or stop)
-                    or export_checkpoint and step + 1 == args.steps):
+            if args.save_every and ((step + 1) % args.save_every == 0 or step + 1 == args.steps or stop):
                 require_finite_weights(model, parallel, step + 1)
                 recent = losses[-10:]   # the loss the save is judged by when the run turns non-finite (way_back)
                 save(folder, step + 1, model, optimizer, saved_meta | dict(loss=sum(recent) / len(recent)))
             if stop:
                 if lead:
                     saved = f"checkpoint step-{step + 1:08d}" if args.save_every else "no checkpoint (--save-every 0)"
-                    print(f"stopped by {signals.asked or 'a signal to another rank'} after step {step + 1}: {saved}; "
+                    print(f"stopped by {signals.asked or 'a signal to another rank or the death of its torchrun'} after step {step + 1}: {saved}; "
                           f"continue with --resume")
                 break
     if args.export_hf and start + len(losses) == args.steps:
-        export_hf(args, parallel, model, dtype, folder.checkpoints / f"step-{args.steps:08d}")
+        export_hf(args, parallel, model, dtype)
     if lead:
         if losses:
             memory = (f", peak memory {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB"
@@ -331,7 +385,7 @@ def train_on(args, cfg, parallel: Parallel, device: torch.device, data, folder, 
                   f"(mean of last {len(losses[-10:])}: {sum(losses[-10:]) / len(losses[-10:]):.3f}), "
                   f"{sorted(speeds)[len(speeds) // 2]:,.0f} tokens/s (median step){memory}; "
                   f"{f'held-out loss {evals[-1]:.3f} (perplexity {math.exp(min(evals[-1], 700)):.2f}), ' if evals else ''}"
-                  f"{'checkpoints ' + str(folder.checkpoints) + ', ' if args.save_every or export_checkpoint else ''}"
+                  f"{'checkpoints ' + str(folder.checkpoints) + ', ' if args.save_every else ''}"
                   f"TensorBoard logs {folder.tb}")
         else:
             print(f"nothing to train: the run is at step {start} of --steps {args.steps}; raise --steps to go on")
@@ -442,43 +496,26 @@ def whole_model_routing(parallel: Parallel, model, routing):
     return torch.cat([part[1] for part in parts])[order].to(device), sum(part[2] for part in parts).to(device)
 
 
-def init_from_hf(args, parallel: Parallel, model, folder):
-    """--init: one process reads the Hugging Face folder straight into the model; on several, rank 0 turns it into
-    a weights checkpoint in the run folder and every rank loads its part of that (any layout), as every rank
-    does of a checkpoint of the app."""
+def init_from_hf(args, model):
+    """--init: every process reads its part of the weights (any layout): of the Hugging Face folder only the slices
+    its shards hold, or of a checkpoint of the app the entries they need."""
     from pith_engine import checkpoint
-    if init_checkpoint(args):   # any layout's, read by every rank
-        try:
-            checkpoint.load_weights(args.init, model)
-        except checkpoint.CheckpointError as err:
-            raise ConfigError(f"--init: {err}") from None
-        return
-    if parallel.world == 1:
+    if not init_checkpoint(args):
         from pith_apps.hf_checkpoint import load_hf_weights
-        load_hf_weights(model, args.init)
-        return
-    from pith_apps.convert import hf_to_checkpoint
-    weights = folder.out / "init-weights"
+        return load_hf_weights(model, args.init)
     try:
-        on_lead(parallel, lambda: hf_to_checkpoint(args.init, weights))
-        checkpoint.load_weights(weights, model)
-        dist.barrier()   # every rank has read its part
-    finally:   # the copy goes (a failed one's too): a run refused later leaves none in --out
-        if parallel.rank == 0:
-            for path in (weights, weights.with_name(weights.name + ".tmp")):
-                shutil.rmtree(path, ignore_errors=True)
+        checkpoint.load_weights(args.init, model)
+    except checkpoint.CheckpointError as err:
+        raise ConfigError(f"--init: {err}") from None
 
 
-def export_hf(args, parallel: Parallel, model, dtype: torch.dtype, last_checkpoint: Path):
-    """The trained model as a Hugging Face folder, with the tokenizer's files when it has a tokenizer.json: from the
-    model itself on one process, from the run's last checkpoint (rank 0, the others waiting) on several."""
-    from pith_apps.convert import checkpoint_to_hf, tokenizer_files
+def export_hf(args, parallel: Parallel, model, dtype: torch.dtype):
+    """The trained model as a Hugging Face folder, with the tokenizer's files when it has a tokenizer.json: every
+    process writes its own part of the weights (hf_checkpoint.save_hf)."""
+    from pith_apps.convert import tokenizer_files
     from pith_apps.hf_checkpoint import save_hf
     try:
-        if parallel.world == 1:
-            save_hf(model, hf_config_data(args), args.export_hf, dtype=dtype, extra_files=tokenizer_files(args.tokenizer))
-        else:
-            on_lead(parallel, lambda: checkpoint_to_hf(last_checkpoint, args.export_hf, dtype, alone=True))
+        save_hf(model, hf_config_data(args), args.export_hf, dtype=dtype, extra_files=tokenizer_files(args.tokenizer))
     except OSError as err:
         raise ConfigError(f"--export-hf {args.export_hf}: could not write it ({err.strerror or err}); the run and its "
                           "checkpoints are intact") from None
@@ -568,7 +605,7 @@ def main(argv=None):
             return
         train(args)
     except (ConfigError, LayoutError) as err:
-        if int(os.environ.get("RANK", "0")) == 0:   # every rank stops alike; one says why
+        if int(os.environ.get("RANK", "0")) == 0 or isinstance(err, TimedOut):   # one says why, but each its own wait
             print(f"pith-train: error: {err}", file=sys.stderr)
         else:   # torchrun stops every worker once one exits: give rank 0 time to reach its line
             time.sleep(2)

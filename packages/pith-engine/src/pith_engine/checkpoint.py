@@ -334,18 +334,17 @@ def load(checkpoint: str | Path, model: MoeModel, optimizer) -> dict:
     return meta
 
 
-def load_weights(checkpoint: str | Path, model: MoeModel, alone: bool = False) -> dict:
+def load_weights(checkpoint: str | Path, model: MoeModel, verify: bool = True) -> dict:
     """Fill only the model (weights, expert biases) from a training checkpoint or one save_weights wrote, under
-    any layout; returns its meta. alone: this process by itself while the others of its group wait (no
-    collective), e.g. rank 0 converting a checkpoint for export."""
-    read_checked(checkpoint, weights_state(model), alone)
+    any layout; returns its meta. verify False: without checking its files first (a caller that did)."""
+    read_checked(checkpoint, weights_state(model), verify)
     return read_meta(checkpoint)
 
 
-def read_checked(checkpoint: str | Path, state: dict, alone: bool = False):
+def read_checked(checkpoint: str | Path, state: dict, verify: bool = True):
     """DCP-load the entries of state from checkpoint after checking its files (the ranks split them)."""
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() and not alone else (0, 1)
-    found = [damage(checkpoint, (rank, world))]
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    found = [damage(checkpoint, (rank, world)) if verify else None]
     if world > 1:
         mine, found = found[0], [None] * world
         dist.all_gather_object(found, mine)
@@ -359,7 +358,7 @@ def read_checked(checkpoint: str | Path, state: dict, alone: bool = False):
         raise CheckpointError(f"checkpoint '{checkpoint}' lacks {len(missing)} of this model's entries, e.g. "
                               f"{missing[:3]}; it was saved from another model")
     with single_process_is_meant():
-        dcp.load(state, checkpoint_id=Path(checkpoint), no_dist=alone)
+        dcp.load(state, checkpoint_id=Path(checkpoint))
 
 
 def save_weights(folder: str | Path, model: MoeModel, meta: dict) -> Path:

@@ -386,13 +386,19 @@ class Pipeline:
                 x = None
             elif holder[chunk - 1] != self.rank:
                 x = self.hidden_buffer(input_ids)
-                dist.recv(x, self.peers[holder[chunk - 1]], self.group)
+                self.transfer(dist.irecv, x, holder[chunk - 1])
             x = self.model(input_ids, labels, docs, hidden=x, layers=self.layers[self.chunks.index(chunk)])
             if chunk == 2 * self.pp - 1:
                 loss = x
             elif holder[chunk + 1] != self.rank:
-                dist.send(x, self.peers[holder[chunk + 1]], self.group)
+                self.transfer(dist.isend, x, holder[chunk + 1])
         return loss
+
+    def transfer(self, op, tensor: torch.Tensor, rank: int):
+        """One send or receive with pipeline rank `rank`, batched as the step's exchanges are: on the pipeline group's
+        communicator (a plain send or recv would make a new one for the pair, at the first evaluation)."""
+        for work in dist.batch_isend_irecv([dist.P2POp(op, tensor, self.peers[rank], self.group)]):
+            work.wait()
 
     def backward(self, step: Step, i: int) -> torch.Tensor | None:
         """The chunk's backward; returns the gradient of its input to give on (None for the embedding's)."""

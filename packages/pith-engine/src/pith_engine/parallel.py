@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 DIMS = ("pp", "dp", "cp", "ep")
 HSDP_DIMS = ("pp", "dr", "ds", "cp", "ep")   # dp as replicas x shards
+GROUPS = (("pp",), ("cp",), ("ep",), ("dp", "cp"), ("dp", "cp", "ep"))   # Parallel.group's callers' (and FSDP's)
 
 
 def divisors(n: int) -> list[int]:
@@ -58,7 +59,14 @@ class Parallel:
         mesh = init_device_mesh(device_type, (pp, dp, cp, ep), mesh_dim_names=DIMS)
         replicas = None if dp_replicate == 1 else init_device_mesh(   # the same ranks, dp cut into replicas x shards
             device_type, (pp, dp_replicate, dp // dp_replicate, cp, ep), mesh_dim_names=HSDP_DIMS)
-        return cls(pp, dp, cp, ep, dist.get_rank(), mesh, dp_replicate, replicas)
+        parallel = cls(pp, dp, cp, ep, dist.get_rank(), mesh, dp_replicate, replicas)
+        for names in GROUPS:   # every group the engine uses, made now in one order on every rank (NCCL: eagerly)
+            parallel.group(*names)
+        if parallel.sharded:
+            parallel.shard_mesh("dp", "cp"), parallel.shard_mesh("dp", "cp", "ep")
+        if dp_replicate > 1 and parallel.replica_size > 1:
+            parallel.norm_group()
+        return parallel
 
     @property
     def world(self) -> int:
