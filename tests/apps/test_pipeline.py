@@ -2,6 +2,7 @@
 every pipeline rank builds only its two chunks' layers (held_layers) from the seed the whole reference model
 is drawn from; the step's loss (at rank 0) and every gradient a rank holds match the sequential run's, aux
 losses on."""
+import collections
 import itertools
 import threading
 
@@ -14,7 +15,7 @@ from distributed import run_on_processes
 from pith_apps.config import read_json
 from pith_apps.models.layers import Linear
 from pith_apps.options import MODELS, PRESETS
-from pith_engine.data_parallel import ComputeCasts, local_part, shard_model
+from pith_engine.data_parallel import ComputeCasts, _fsdp_param_groups, local_part, shard_model
 from pith_engine.dualpipev import Pipeline, chunk_layers, held_layers, numbered, schedule
 from pith_engine.parallel import LayoutError, Parallel
 
@@ -217,6 +218,44 @@ def test_deferred_weight_gradients_under_fsdp_are_reduced_once_after_the_last_w_
     """fp32 with each family (GPT-OSS: dense linears with biases), and mixed precision (bf16 compute, fp32
     reduction) for Qwen3, whose W steps' bf16 gradients are folded into FSDP's fp32 sums."""
     run_on_processes(4, fsdp_body, list(MODELS) if not mixed else ["qwen3"], mixed)
+
+
+def resharding_body(rank, world):
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+    parallel = Parallel.build(pp=2, dp=2)
+    chunks = chunk_layers(8, 2)
+    model = tiny("qwen3", parallel, 4, held_layers(chunks, parallel.coords["pp"]))
+    shard_model(model, parallel, torch.bfloat16)
+    pipeline = Pipeline(model, parallel, torch.bfloat16, chunks, defer_wgrad=True)
+    in_layers = {id(module) for layer in model.layers.values() for module in (layer, layer.experts)}
+    gathered, ahead, forward = [], collections.Counter(), pipeline.forward
+
+    def measured(step, i):   # the bytes of every gathered weight FSDP holds, after each chunk's forward
+        out = forward(step, i)
+        gathered.append(sum(t.untyped_storage().nbytes() for group in _fsdp_param_groups(model)
+                            for param in group.fsdp_params for t in param.all_gather_outputs))
+        return out
+    for hook in ("pre_forward", "pre_backward"):   # whether a layer's gather is under way when its own call comes
+        def seen(group, *args, run=getattr(FSDPParamGroup, hook), hook=hook):
+            if id(group.modules[0]) in in_layers:
+                ahead[hook, group._all_gather_result is not None] += 1
+            return run(group, *args)
+        setattr(FSDPParamGroup, hook, seen)   # (the spawned process ends with the test)
+    pipeline.forward = measured
+    batches = micro_batches(model.config.vocab_size, 4, parallel.data_rank)
+    pipeline.step(batches, sum((labels != -100).sum() for _, labels, _ in batches))
+    assert gathered == [0] * 8, gathered   # 2 chunks x 4 micro-batches
+    # per chunk and micro-batch 4 FSDP modules (2 layers, each with its experts): 3 prefetched, the first gathered
+    assert ahead == {("pre_forward", True): 24, ("pre_forward", False): 8, ("pre_backward", True): 24,
+                     ("pre_backward", False): 8}, ahead
+
+
+def test_under_fsdp_each_layer_lets_its_gathered_weights_go_after_its_forward_and_prefetches_the_next():
+    """pp 2 x dp 2, Qwen3 in mixed precision, 2 layers a chunk, deferring as the app does: after every chunk's forward
+    FSDP holds 0 bytes of gathered weights (each layer, a root of its own, kept its bf16 weights whole until its
+    backward before: 268,032 bytes on pipeline rank 0 after its first forward, up to 536,320 later), and within a
+    chunk each FSDP module but the first (in the backward, the last) finds its gather issued by the one before it."""
+    run_on_processes(4, resharding_body)
 
 
 def test_the_layers_split_into_chunks_evenly_or_as_asked_and_a_bad_split_is_one_line():

@@ -159,13 +159,16 @@ def weight_elements(model: torch.nn.Module, layout: dict, compiled: bool, fp8: s
     rank keeps (the largest FSDP2 shard, as torch.chunk splits), of it `muon` that of the matrices --optimizer muon
     steps (hidden_matrices: one moment where AdamW keeps two), `gathered` the largest layer unsharded and `root`
     the rest unsharded (what FSDP2 gathers in the compute dtype), `fp8` the elements of each weight --fp8 `fp8`
-    quantizes (none without it), unsharded (what the FP8 cache is given: the gathered weight)."""
+    quantizes (none without it), unsharded (what the FP8 cache is given: the gathered weight); `whole` all of them
+    unsharded (experts split over ep), `gathering` the most a layer's gather holds at once as FSDP2 does it (the
+    weights, the gather's buffer where sharded, and an expert stack's row-sharded copy-out once more: another
+    temporary), `owner` that of the largest module outside the layers (under --pp a root of its own)."""
     shards = layout["dp"] // layout.get("dp_replicate", 1)   # under HSDP a weight is sharded within a replica
     dense_shards, expert_shards = shards * layout["cp"] * layout["ep"], shards * layout["cp"]
-    counts = dict(local=0, muon=0, gathered=0, root=0, fp8=[])
+    counts = dict(local=0, muon=0, gathered=0, root=0, fp8=[], whole=0, gathering=0, owner=0)
     muon = {id(p) for params in hidden_matrices(model).values() for p in params}
     for layer in model.model.layers.values():
-        total = 0
+        total = experts = 0
         for name, param in layer.named_parameters():
             expert = ".experts." in f".{name}"
             shape = list(param.shape)
@@ -177,13 +180,21 @@ def weight_elements(model: torch.nn.Module, layout: dict, compiled: bool, fp8: s
             counts["local"] += local
             counts["muon"] += local * (id(param) in muon)
             total += whole
+            experts += whole * expert
         counts["gathered"] = max(counts["gathered"], total)
+        counts["whole"] += total
+        gathering = total + (total - experts) * (dense_shards > 1) + 2 * experts * (expert_shards > 1)
+        counts["gathering"] = max(counts["gathering"], gathering)
         counts["fp8"] += fp8_elements(layer, compiled, layout["ep"], fp8 == "all") if fp8 else []
     in_layers = {id(p) for layer in model.model.layers.values() for p in layer.parameters()}
     for param in model.parameters():
         if id(param) not in in_layers:
             counts["root"] += param.numel()
             counts["local"] += param.numel() // param.shape[0] * math.ceil(param.shape[0] / dense_shards)
+    counts["whole"] += counts["root"]
+    for module in model.modules():
+        owned = sum(p.numel() for p in module.parameters(False) if id(p) not in in_layers)
+        counts["owner"] = max(counts["owner"], owned * (1 + (dense_shards > 1)))
     return counts
 
 
@@ -376,16 +387,24 @@ def estimate(args) -> list[dict]:
             row["compute_copies"] = (width < 4) * width * n["local"]
             pairs = plan.world == 1 and micro_batches > 1   # (a pipeline's deferred ones are in_flight's)
             row["transient"] = pairs * tokens * sum(pair for _, pair, _ in per_layer.values())
-        else:   # FSDP2: the root and two layers gathered (one prefetched), a layer's fp32 gradient before its reduce
-            row["compute_copies"] = width * (n["root"] + 2 * n["gathered"])
+        elif args.pp == 1:   # FSDP2: the root and two layers gathered (one prefetched), a layer's fp32 gradient before
+            row["compute_copies"] = width * (n["root"] + 2 * n["gathered"])   # its reduce-scatter
             # and under --fp8 both layouts of one weight, quantized at each use (Fp8WeightCache(keep=False))
             row["transient"] = 4 * n["gathered"] + 2 * max(n["fp8"], default=0)
+        else:   # FSDP2 under DualPipeV: each layer and owner a root, gathered for its forward or backward alone (the
+            # next one's weights are prefetched once the gather's temporaries are gone); each side of a pair its own
+            overlap = args.ep > 1 and args.overlap is not False
+            row["compute_copies"] = width * (1 + overlap) * max(n["gathering"], n["owner"])
+            row["gradients"] = 4 * n["whole"]   # held unsharded in fp32 through the step, reduce-scattered at its end
+            # and a layer's gradient in the compute dtype before FSDP adds it into its fp32 sum
+            row["transient"] = (width < 4) * width * n["gathered"] + 2 * max(n["fp8"], default=0)
         # and the backward of a recomputed layer holds what its recompute made again, one micro-batch's
         row["transient"] += tokens * max(again for _, _, again in per_layer.values())
         row["optimizer_step"] = muon_step_bytes(model, layout, device.type == "cuda") if muon else 0
         held_through = row["weights"] + row["optimizer"] + row["compute_copies"] + row["fp8_cache"]
         grads = row["gradients"] if micro_batches > 1 or plan.world > 1 else 0   # one micro-batch: they replace copies
-        row["peak"] = max(row["weights"] + row["gradients"] + row["optimizer"] + row["optimizer_step"],
+        # the step's gradients are the weights' size (sharded alike); a pipeline's under FSDP unsharded before
+        row["peak"] = max(2 * row["weights"] + row["optimizer"] + row["optimizer_step"],
                           held_through + grads + row["activations"] + row["transient"])
         rows.append(row)
     return rows

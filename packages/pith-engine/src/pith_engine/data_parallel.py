@@ -31,10 +31,12 @@ def shard_model(model: MoeModel, parallel: Parallel, param_dtype: torch.dtype | 
     processes: FSDP2, bottom-up: each layer's experts, each decoder layer, then the root (embedding, final norm,
     LM head), whose forward (logits, or the loss with labels) gathers and frees the weights. Under a pipeline,
     whose pieces the model's forward runs one at a time, the modules owning those last weights are roots of their
-    own instead of the model: each piece then gathers only its own weights, and an overlapped pair's forward
-    and backward share no FSDP state. One process, or pipeline ranks alone (each holds its own layers, nothing
-    to shard): the casts of ComputeCasts. Works on a model still on the meta device (then to_empty, then
-    init_weights)."""
+    own instead of the model, as is each layer (a chunk's forward calls it): each piece then gathers only its own
+    weights, an overlapped pair's forward and backward share no FSDP state, and each root lets its gathered weights
+    go after its forward (FSDP2 keeps a root's for its backward otherwise: through every micro-batch in flight);
+    within a chunk each gathers the next one's ahead (_start_chunk). One process, or pipeline ranks alone (each
+    holds its own layers, nothing to shard): the casts of ComputeCasts. Works on a model still on the meta device
+    (then to_empty, then init_weights)."""
     if any(p.dtype != torch.float32 for p in model.parameters()):
         raise TypeError(f"shard_model takes a float32 model (the master weights), not {next(model.parameters()).dtype}; "
                         "param_dtype sets the compute dtype")
@@ -46,18 +48,43 @@ def shard_model(model: MoeModel, parallel: Parallel, param_dtype: torch.dtype | 
     from torch.distributed.tensor import Shard
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     expert_mesh, dense_mesh = parallel.shard_mesh("dp", "cp"), parallel.shard_mesh("dp", "cp", "ep")
+    # a root keeps its gathered weights after its forward unless told otherwise (None: FSDP2's choice)
+    dense = dict(mesh=dense_mesh, mp_policy=policy, reshard_after_forward=True if parallel.pp > 1 else None)
     for layer in model.layers.values():
         if layer.is_moe:   # rows (dim 1), so that each expert's slice of the stack is itself a row shard
             fully_shard(layer.experts, mesh=expert_mesh, mp_policy=policy, shard_placement_fn=lambda p: Shard(1))
-        fully_shard(layer, mesh=dense_mesh, mp_policy=policy)
+        fully_shard(layer, **dense)
     in_layers = {id(param) for layer in model.layers.values() for param in layer.parameters()}
     owners = [module for module in model.modules() if any(id(p) not in in_layers for p in module.parameters(False))]
     for root in owners if parallel.pp > 1 else [model]:
-        fully_shard(root, mesh=dense_mesh, mp_policy=policy)
+        fully_shard(root, **dense)
+    if parallel.pp > 1:
+        model.register_forward_pre_hook(_start_chunk, with_kwargs=True)
     for module in fsdp_modules(model):
         module.set_gradient_divide_factor(1.0)
         module.set_force_sum_reduction_for_comms(True)   # plain SUM: gloo has no pre-multiplied sum
     return model
+
+
+def _start_chunk(model, args, kwargs):
+    """Before each call of a pipeline rank's model (a chunk: its `layers`), what FSDP2 does for the layers under one
+    root, here roots of their own: in the forward a layer gathers its experts' weights as it starts and the experts
+    the next layer's; in the backward a layer its experts', they the layer's before. So that one may gather the
+    next, each is set up (else done at its first forward) and its gathers ordered after the work issued so far (the
+    optimizer's step, which writes the shards they read), as at its own forward. Nothing across chunks: what runs
+    after a chunk is another micro-batch's."""
+    layers = [model.layers[n] for n in kwargs.get("layers") or model.layers]
+    parts = [[layer, *([layer.experts] if layer.is_moe else [])] for layer in layers]
+    forward, backward = sum(parts, []), sum(reversed(parts), [])
+    for module, after in zip(forward, forward[1:]):
+        module.set_modules_to_forward_prefetch([after])
+    for module, after in zip(backward, backward[1:]):
+        module.set_modules_to_backward_prefetch([after])
+    for layer in layers:
+        state = layer._get_fsdp_state()
+        state._lazy_init()
+        for stream in (state._comm_ctx.all_gather_copy_in_stream, state._comm_ctx.all_gather_stream):
+            stream.wait_stream(state._device_handle.current_stream())
 
 
 class ComputeCasts:
