@@ -6,18 +6,15 @@ streams batches from a text dataset (each data rank reads its share of every glo
 with AdamW or Muon, showing a progress bar, writing TensorBoard scalars to <out>/tb and atomic distributed
 checkpoints to <out>/checkpoints that --resume continues from, under the same or another layout.
 """
-import contextlib
 import dataclasses
 import functools
 import gc
 import json
 import math
 import os
-import pickle
 import re
 import sys
 import time
-import traceback
 from datetime import timedelta
 from pathlib import Path
 
@@ -43,7 +40,7 @@ from pith_engine.data_parallel import (drop_compute_copies, grad_norm, keep_comp
 from pith_engine.moe import update_expert_bias
 from pith_engine.muon import muon
 from pith_engine.optim import adamw, clipped_step, lr_at
-from pith_engine.parallel import LayoutError, Parallel
+from pith_engine.parallel import LayoutError, Parallel, timed_out_line
 from pith_engine.recompute import recompute_stages
 from pith_ops.fp8 import Fp8WeightCache
 
@@ -80,7 +77,7 @@ def train(args) -> list[float]:
         raise ConfigError(f"{err}; {on_lead(parallel, lambda: folder.way_back(run_id, args.lr))}") from None
     except RuntimeError as err:   # gloo's "Timed out waiting", NCCL's watchdog "timeout"
         if joined and re.search(r"[Tt]imed out|timeout", str(err)):
-            raise TimedOut(waited_in(err, args.dist_timeout, out)) from None
+            raise TimedOut(timed_out_line(err, args.dist_timeout, out / "comm-trace")) from None
         raise
     finally:
         folder.release()
@@ -135,7 +132,7 @@ def join_processes(args, out: Path) -> bool:
     """Join torchrun's process group when launched by it and not joined yet (gloo on CPU, NCCL on CUDA, its
     communicator made now, on this process's GPU: device_id). Every group's waits, the device mesh's groups made
     later included, time out after --dist-timeout, and each records its recent collectives (torch's flight recorder),
-    which NCCL's watchdog writes under <out>/comm-trace on a timeout (`waited_in` does on CPU)."""
+    which NCCL's watchdog writes under <out>/comm-trace on a timeout (`timed_out_line` does on CPU)."""
     if int(os.environ.get("WORLD_SIZE", "1")) == 1 or dist.is_initialized():
         return False
     timeout, device = timedelta(seconds=args.dist_timeout), None
@@ -153,37 +150,6 @@ def join_processes(args, out: Path) -> bool:
 
 class TimedOut(ConfigError):
     """A wait for other ranks ran past --dist-timeout; every rank that timed out says so (main)."""
-
-
-def waited_in(err: RuntimeError, seconds: float, out: Path) -> str:
-    """The line of a rank whose wait timed out: the operation (the torch.distributed call under the innermost line of
-    Pith's code in the traceback; for a wait on work issued earlier, the last collective the flight recorder holds),
-    its group's ranks and that line. The recorder's collectives (as NCCL's watchdog writes them) go to
-    <out>/comm-trace/rank_<rank>."""
-    op = group = None
-    site = "?"
-    for frame, line in traceback.walk_tb(err.__traceback__):
-        file, code = frame.f_code.co_filename, frame.f_code.co_name
-        if "/pith_" in file:
-            op, group, site = None, None, f"{Path(file).name}:{line} ({code})"
-        elif file.endswith("distributed_c10d.py") and op is None:
-            ops = frame.f_locals.get("p2p_op_list") or [None]
-            op, group = code, frame.f_locals.get("group") or getattr(ops[0], "group", None)
-    rank, trace, recent = dist.get_rank(), out / "comm-trace", None
-    with contextlib.suppress(OSError, RuntimeError, KeyError):
-        recent = pickle.loads(torch._C._distributed_c10d._dump_fr_trace())
-        ranks = lambda name: str(dist.get_process_group_ranks(c10d._resolve_process_group(name)))
-        recent["pg_config"] = {name: dict(name=name, desc=desc, ranks=ranks(name))   # (gloo's are empty; torchfrtrace
-                               for name, desc in {e["process_group"] for e in recent["entries"]}}   # reads them)
-        trace.mkdir(parents=True, exist_ok=True)
-        (trace / f"rank_{rank}").write_bytes(pickle.dumps(recent))
-    if op is None and recent and recent["entries"]:
-        last = recent["entries"][-1]
-        op, group = last["profiling_name"].split(":")[-1], c10d._resolve_process_group(last["process_group"][0])
-    what = f"{op} with ranks {dist.get_process_group_ranks(group or dist.group.WORLD)}" if op else "a wait"
-    return (f"rank {rank} waited {seconds:g} s (--dist-timeout) in {what} at {site}: a rank it waits for is stuck or "
-            f"gone; its recent collectives are in {trace / f'rank_{rank}'} (skills/pith-apps/launch/SKILL.md reads "
-            "them); the last checkpoint is intact")
 
 
 def busy_cpu_advice(load: float, cores: int, threads: int) -> str | None:

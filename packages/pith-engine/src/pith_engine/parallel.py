@@ -6,12 +6,19 @@ ep) with r = ((pp * DP + dp) * CP + cp) * EP + ep, so expert-parallel peers are 
 stays inside a node) and pipeline stages are farthest apart. With dp_replicate R (HSDP) the data-parallel ranks
 are R replicas of DP / R shards, dp = replica * (DP / R) + shard: a replica's shards, with their cp and ep ranks,
 are consecutive ranks, one node under torchrun's rank order when they number its GPUs, so FSDP's all-gathers and
-reduce-scatters stay inside it and only the replicas' all-reduce of gradients crosses nodes.
+reduce-scatters stay inside it and only the replicas' all-reduce of gradients crosses nodes. A rank whose wait for the
+others times out says what it waited in (timed_out_line).
 """
+import contextlib
+import pickle
+import traceback
 from dataclasses import dataclass, field
 from math import prod
+from pathlib import Path
 
+import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 DIMS = ("pp", "dp", "cp", "ep")
@@ -151,3 +158,34 @@ class Parallel:
         if self.cp > 1 and seq_len % (2 * self.cp):   # one rank holds the whole sequence: any length
             raise LayoutError(f"seq_len={seq_len} must be divisible by 2 x cp = {2 * self.cp} "
                               f"(each context-parallel rank holds two chunks)")
+
+
+def timed_out_line(err: RuntimeError, seconds: float, trace: Path) -> str:
+    """The line of a rank whose wait timed out: the operation (the torch.distributed call under the innermost line of
+    Pith's code in the traceback; for a wait on work issued earlier, the last collective the flight recorder holds),
+    its group's ranks and that line. The recorder's collectives (as NCCL's watchdog writes them) go to
+    trace/rank_<rank> (the app's: <out>/comm-trace)."""
+    op = group = None
+    site = "?"
+    for frame, line in traceback.walk_tb(err.__traceback__):
+        file, code = frame.f_code.co_filename, frame.f_code.co_name
+        if "/pith_" in file:
+            op, group, site = None, None, f"{Path(file).name}:{line} ({code})"
+        elif file.endswith("distributed_c10d.py") and op is None:
+            ops = frame.f_locals.get("p2p_op_list") or [None]
+            op, group = code, frame.f_locals.get("group") or getattr(ops[0], "group", None)
+    rank, recent = dist.get_rank(), None
+    with contextlib.suppress(OSError, RuntimeError, KeyError):
+        recent = pickle.loads(torch._C._distributed_c10d._dump_fr_trace())
+        ranks = lambda name: str(dist.get_process_group_ranks(c10d._resolve_process_group(name)))
+        recent["pg_config"] = {name: dict(name=name, desc=desc, ranks=ranks(name))   # (gloo's are empty; torchfrtrace
+                               for name, desc in {e["process_group"] for e in recent["entries"]}}   # reads them)
+        trace.mkdir(parents=True, exist_ok=True)
+        (trace / f"rank_{rank}").write_bytes(pickle.dumps(recent))
+    if op is None and recent and recent["entries"]:
+        last = recent["entries"][-1]
+        op, group = last["profiling_name"].split(":")[-1], c10d._resolve_process_group(last["process_group"][0])
+    what = f"{op} with ranks {dist.get_process_group_ranks(group or dist.group.WORLD)}" if op else "a wait"
+    return (f"rank {rank} waited {seconds:g} s (--dist-timeout) in {what} at {site}: a rank it waits for is stuck or "
+            f"gone; its recent collectives are in {trace / f'rank_{rank}'} (skills/pith-apps/launch/SKILL.md reads "
+            "them); the last checkpoint is intact")
