@@ -115,7 +115,8 @@ def train(out, steps, *flags):
 def noting_checkpoint_bytes(noted: dict, patch: pytest.MonkeyPatch):
     """RunFolder.check_space notes the size it is given (train_app.checkpoint_bytes) under the run folder's name."""
     check = RunFolder.check_space
-    patch.setattr(RunFolder, "check_space", lambda self, size: noted.update({self.out.name: size}) or check(self, size))
+    patch.setattr(RunFolder, "check_space", lambda self, size, *rest: noted.update({self.out.name: size}) or check(
+        self, size, *rest))
 
 
 def at_step_3(run, copy):

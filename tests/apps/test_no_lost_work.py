@@ -123,7 +123,7 @@ def test_weights_that_become_non_finite_stop_the_run_before_any_save(tmp_path, c
         return optimizer
     monkeypatch.setattr(train_app, "adamw", poisoned_at_step_10)
     assert one_line_error(capsys, tmp_path, "--steps", "12", "--save-every", "5") == (
-        "step 10: the weights became non-finite; nothing of it was saved, the last checkpoint is intact; lower --lr "
+        "step 10: the weights became non-finite; nothing of it was saved; the last checkpoint is intact; lower --lr "
         "(now 0.003) and continue with --resume or --resume-from")
     assert checkpoint.latest(tmp_path / "checkpoints").name == "step-00000005"
     monkeypatch.setattr(train_app, "adamw", real_adamw)
@@ -144,7 +144,7 @@ def test_a_non_finite_gradient_skips_the_update_and_stops_the_run_before_any_sav
     monkeypatch.setattr(train_app, "train_step", overflowing_at_step_7)
     error = one_line_error(capsys, tmp_path, "--steps", "10", "--save-every", "5")
     assert error.startswith("step 7: the gradients became non-finite (the loss was ")
-    assert error.endswith("); the update was skipped and nothing of it was saved, the last checkpoint is intact; "
+    assert error.endswith("); the update was skipped and nothing of it was saved; the last checkpoint is intact; "
                           "lower --lr (now 0.003) and continue with --resume or --resume-from")
     assert all(torch.equal(p, w) for p, w in zip(seen["model"].parameters(), seen["weights"]))
     assert checkpoint.latest(tmp_path / "checkpoints").name == "step-00000005"
@@ -179,7 +179,7 @@ def test_no_room_for_a_checkpoint_is_named_before_the_first_step_and_a_failed_sa
     monkeypatch.setattr(checkpoint.dcp, "save", disk_full)
     error = one_line_error(capsys, tmp_path / "b", "--steps", "4", "--save-every", "2", "--resume")
     assert error.startswith(f"could not write checkpoint '{tmp_path / 'b' / 'checkpoints' / 'step-00000004'}' "
-                            "(OSError: [Errno 28] No space left on device; ")
+                            f"(the disk is full: {tmp_path / 'b' / 'checkpoints'} has ")
     assert error.endswith(f"the last good checkpoint is '{tmp_path / 'b' / 'checkpoints' / 'step-00000002'}'")
 
 

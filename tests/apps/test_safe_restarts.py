@@ -49,7 +49,8 @@ def truncated_hf_folder(folder):
 REFUSALS = {
     "all layers dense": (lambda tmp: ["deepseek_v2", "--layers", "1"], "all 1 layers of the model are dense"),
     "--init unreadable": (lambda tmp: ["qwen3", "--init", str(truncated_hf_folder(tmp / "hf"))], "could not be read"),
-    "no room": (lambda tmp: ["qwen3", "--save-every", "2"], " free, and a checkpoint of this run takes about "),
+    # (the old run's checkpoints count as free: they are deleted as the new run begins; 8 layers need more)
+    "no room": (lambda tmp: ["qwen3", "--save-every", "2", "--layers", "8"], " free, and a checkpoint of this run takes about "),
     "--export-hf a file": (lambda tmp: ["qwen3", "--export-hf", str(tmp / "a-file")], "--export-hf "),
 }
 
@@ -157,9 +158,9 @@ def test_resume_without_a_good_latest_file_continues_from_the_newest_intact_chec
 
 
 def test_after_the_loss_rose_the_non_finite_advice_names_the_checkpoint_from_before(tmp_path, capsys, monkeypatch):
-    """The loss of steps 5-7 three times its value (a spike), the gradients non-finite at step 8: the checkpoints
-    kept are step 4 (mean loss of steps 1-4) and step 6 (steps 1-6: over 1.2 x step 4's); resuming from step 6
-    with a lower --lr would start from weights already past saving, so the advice names step 4."""
+    """The loss of steps 5-7 three times its value (a spike), the gradients non-finite at step 8: step 6's
+    checkpoint (mean loss of steps 1-6) is over 1.2 x step 4's, and the rise began at step 5, whose loss step 4's
+    weights gave. So the advice names step 2, which pruning kept beside 4 and 6."""
     real_step = train_app.train_step
 
     def rising(args, parallel, device, model, optimizer, number, *rest):
@@ -169,11 +170,12 @@ def test_after_the_loss_rose_the_non_finite_advice_names_the_checkpoint_from_bef
         return loss * (3 if number >= 5 else 1), *others
     monkeypatch.setattr(train_app, "train_step", rising)
     error = one_line_error(capsys, tmp_path, "--steps", "10", "--save-every", "2")
-    metas = {step: checkpoint.read_meta(tmp_path / "checkpoints" / f"step-{step:08d}")["loss"] for step in (4, 6)}
-    assert metas[6] > 1.2 * metas[4]
-    assert error.endswith(f"; the loss had already risen by the last checkpoint (step 6: {metas[6]:.4g}, over 1.2 x the "
-                          f"lowest saved before it, {metas[4]:.4g}): continue from step 4 (loss {metas[4]:.4g}) with "
-                          "--resume-from 4 and a lower --lr (now 0.003)"), error
+    metas = {step: checkpoint.read_meta(tmp_path / "checkpoints" / f"step-{step:08d}") for step in (2, 4, 6)}
+    assert metas[6]["loss"] > 1.2 * metas[4]["loss"] and metas[6]["rose_at"] == 5 and metas[4]["rose_at"] is None
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step-*")) == [f"step-0000000{n}" for n in (2, 4, 6)]
+    assert error.endswith("; the loss rose at step 5 (over 1.2 x the lowest saved before it), so the checkpoints from "
+                          f"step 4 on hold weights from after the rise: continue from step 2 (loss "
+                          f"{metas[2]['loss']:.4g}) with --resume-from 2 and a lower --lr (now 0.003)"), error
 
 
 def test_sigterm_to_torchrun_saves_and_ends_as_the_readme_says(tmp_path):

@@ -272,6 +272,17 @@ def test_pruning_keeps_the_most_recent_of_this_run_and_never_another_runs(tmp_pa
     assert checkpoint.latest(tmp_path).name == "step-00000020"
 
 
+def test_pruning_keeps_the_newest_checkpoint_from_before_a_rise_while_one_is_kept(tmp_path):
+    """Saves 1-6 with the loss risen from step 5 (rose_at 5: step 4's weights gave it) at saves 5 and 6: step 3 stays
+    beside them, and at 7 (back down) beside 6; at 8 only the newest two do."""
+    model = without_experts(torch.nn.Linear(3, 2))
+    optimizer = adamw(model, lr=0.1, weight_decay=0.0)
+    names = lambda: sorted(int(p.name.removeprefix("step-")) for p in tmp_path.glob("step-*"))
+    for step in range(1, 9):
+        checkpoint.save(tmp_path, step, model, optimizer, {"run": "mine", "rose_at": 5 if step in (5, 6) else None})
+        assert names() == {5: [3, 4, 5], 6: [3, 5, 6], 7: [3, 6, 7]}.get(step, list(range(max(1, step - 1), step + 1)))
+
+
 @pytest.mark.parametrize("harm,named", [
     ("truncate", r"damaged: its file __0_0.distcp has \d+ bytes, not \d+"),
     ("delete", r"damaged: its file __0_0.distcp is missing"),

@@ -286,7 +286,8 @@ class HfFolder:
     def agree(self, work):
         problem = agreed(failure_of(work))
         if problem:
-            shutil.rmtree(self.tmp, ignore_errors=True) if self.rank == 0 else None
+            if self.rank == 0:
+                shutil.rmtree(self.tmp, ignore_errors=True)
             raise OSError(re.sub(r"^\w+: (\[Errno \d+\] )?", "", problem))   # the first rank's, as its own line
 
     def create(self):

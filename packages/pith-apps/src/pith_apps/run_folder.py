@@ -5,7 +5,8 @@ A new run into a folder that holds one is refused unless it continues it (--resu
 replaces it (--overwrite), so that no run deletes or mixes with another's work; the replaced run is deleted only
 when the new one begins its first step, every check passed. The lock is a flock on
 .lock, which the kernel releases however the process ends, so a killed run never leaves a lock that
-blocks the next. Everything here runs on rank 0 only; the app hands its verdict to the other ranks.
+blocks the next. RunFolder runs on rank 0 only, the app handing its verdict to the other ranks; LossWatch, which
+judges the loss each checkpoint is saved at, on every rank alike.
 """
 import fcntl
 import json
@@ -20,8 +21,9 @@ from pathlib import Path
 
 from pith_apps.config import ConfigError, require, write_problem
 from pith_engine import checkpoint
+from pith_engine.checkpoint import KEEP, size_text
 
-SPIKE = 1.2   # a checkpoint saved at a loss this many times the lowest saved before it: the loss had risen
+SPIKE = 1.2   # a checkpoint saved at a loss over this many times the lowest saved before it: the loss had risen
 
 
 class RunFolder:
@@ -95,11 +97,13 @@ class RunFolder:
 
     def newest(self) -> Path:
         """What --resume continues from: the checkpoint `latest` names, or where that file is missing or damaged,
-        the newest intact one, said in a line."""
+        or names a folder that is not there, the newest intact one, said in a line."""
         try:
             path, problem = checkpoint.latest(self.checkpoints), "is missing"
         except checkpoint.CheckpointError as err:
             path, problem = None, f"is damaged ({err})"
+        if path is not None and not path.is_dir():
+            path, problem = None, f"names {path.name}, which is not there"
         if path is not None:
             return path
         steps = self.latest_step()
@@ -119,25 +123,28 @@ class RunFolder:
             return f"no checkpoint in {self.checkpoints} is intact; start over with --overwrite"
         return f"the newest intact one is '{good}': continue with --resume-from {int(good.name.removeprefix('step-'))}"
 
-    def way_back(self, run_id: str, lr: float) -> str:
-        """Where to continue from once the run turned non-finite, in words: its newest checkpoint, unless the loss
-        it was saved at (the mean of the steps before it) had already risen over SPIKE x the lowest saved before
-        it; then the newest one before that rise, whose weights a lower learning rate can still take on."""
-        saved = sorted((meta["step"], path, meta["loss"]) for path, meta in checkpoint.saved_checkpoints(self.checkpoints)
-                       if meta.get("run") == run_id and "loss" in meta)
-        normal, lowest = None, math.inf
-        for step, path, loss in saved:
-            normal = (step, loss) if loss <= SPIKE * lowest else normal
-            lowest = min(lowest, loss)
-        if not saved or normal == saved[-1][::2]:
-            return f"lower --lr (now {lr}) and continue with --resume or --resume-from"
-        risen = f"the loss had already risen by the last checkpoint (step {saved[-1][0]}: {saved[-1][2]:.4g}, over " \
-                f"{SPIKE} x the lowest saved before it, {lowest:.4g})"
-        if normal is None:
-            return f"{risen}, and none kept is from before the rise: lower --lr (now {lr}) and continue from the " \
-                   f"oldest kept, --resume-from {saved[0][0]}, or start a new run in another --out"
-        return f"{risen}: continue from step {normal[0]} (loss {normal[1]:.4g}) with --resume-from {normal[0]} and " \
-               f"a lower --lr (now {lr})"
+    def way_back(self, run_id: str, lr: float, before: int | None = None) -> str:
+        """Where to continue from once the run turned non-finite or dead, in words: the newest checkpoint of the run
+        from before step `before` (the weights that failed: a resume from them repeats the failed step exactly) and,
+        where the last one was saved after the loss rose (its meta's rose_at, LossWatch), from before that rise's
+        weights (step rose_at - 1), which pruning keeps."""
+        saved = [meta for _, meta in checkpoint.saved_checkpoints(self.checkpoints) if meta.get("run") == run_id]
+        if not saved:
+            return f"no checkpoint was saved yet: lower --lr (now {lr}) and start over with --overwrite"
+        rose = saved[-1].get("rose_at")
+        limit = min(before or math.inf, rose - 1 if rose else math.inf)
+        good = [meta for meta in saved if meta["step"] < limit and not meta.get("rose_at")]
+        if good and good[-1] is saved[-1]:
+            return f"the last checkpoint is intact; lower --lr (now {lr}) and continue with --resume or --resume-from"
+        why = f"the loss rose at step {rose} (over {SPIKE} x the lowest saved before it), so the checkpoints from " \
+              f"step {rose - 1} on hold weights from after the rise" if rose and rose - 1 <= (before or math.inf) else \
+              f"the checkpoints from step {before} on hold the weights that failed (a resume repeats the failure)"
+        if not good:
+            return f"{why}, and none kept is from before: start a new run with a lower --lr (now {lr}) (--overwrite, " \
+                   "or another --out)"
+        step = good[-1]["step"]
+        return f"{why}: continue from step {step} (loss {good[-1]['loss']:.4g}) with --resume-from {step} and a lower " \
+               f"--lr (now {lr})"
 
     def make_writable(self):
         problem = write_problem(self.out)
@@ -170,12 +177,62 @@ class RunFolder:
             self.lock_file.close()   # closing drops the flock
             self.lock_file = None
 
-    def check_space(self, checkpoint_bytes: int):
-        """Room for one more checkpoint, before the first step rather than at the first save."""
+    def check_space(self, checkpoint_bytes: int, saves: int, export: tuple[str, int] | None = None):
+        """Room, before the first step rather than at a save, for what the run will hold at once: the KEEP
+        checkpoints kept and the one being written (of the `saves` it will write, beyond this run's already here),
+        and the export (folder, bytes), on --out's disk where that is the same disk."""
+        overwrite = bool(self.record and self.record[1])
+        held = 0 if overwrite else len(list(self.checkpoints.glob("step-????????")))
+        writes = max(1, min(KEEP + 1, held + saves) - held) if saves else 0
         free = shutil.disk_usage(self.out).free
-        require(free > checkpoint_bytes, f"--out {self.out} has {size_text(free)} free, and a checkpoint of this run "
-                f"takes about {size_text(checkpoint_bytes)}; free space, choose another --out, or --save-every 0")
+        if overwrite and self.checkpoints.is_dir():   # the run it replaces is deleted as this one begins
+            free += sum(f.stat().st_size for f in self.checkpoints.rglob("*") if f.is_file())
+        need, parts = writes * checkpoint_bytes, [
+            f"a checkpoint of this run takes about {size_text(checkpoint_bytes)}; it will hold {writes} more at once "
+            f"({KEEP} kept and the one being written; {held} here now)"] if writes else []
+        if export:
+            target = Path(export[0]).absolute()
+            disk = next(folder for folder in (target, *target.parents) if folder.exists())
+            if disk.stat().st_dev == self.out.stat().st_dev:
+                need, parts = need + export[1], [*parts, f"its export takes about {size_text(export[1])}"]
+            else:
+                room = shutil.disk_usage(disk).free
+                require(room > export[1], f"--export-hf {export[0]} has {size_text(room)} free on its disk, and the "
+                        f"export takes about {size_text(export[1])}; free space or choose another --export-hf")
+        total = f": {size_text(need)} in all" if len(parts) > 1 or writes > 1 else ""
+        require(free > need or not parts, f"--out {self.out} has {size_text(free)} free, and {', and '.join(parts)}"
+                f"{total}; free space, choose another --out{', or --save-every 0' if writes else ''}")
 
 
-def size_text(size: float) -> str:
-    return f"{size / 1e9:.1f} GB" if size >= 1e9 else f"{size / 1e6:.1f} MB"
+class LossWatch:
+    """Judges each checkpoint by the loss it is saved at (the mean of the 10 steps before it): over SPIKE x the lowest
+    saved before it in the run's history (the checkpoints it resumed through included), the loss has risen, and its
+    meta records rose_at, the first of those steps over that (the same through the rise). A checkpoint's weights
+    give the next step's loss, so those of step rose_at - 1 on are from after the rise, and pruning keeps the newest
+    one before them (checkpoint.prune). A resumed run whose first step's loss is no better than guessing uniformly
+    over the vocabulary (within 1% of ln vocab_size, or above), where the loss had risen (by its checkpoint, or at
+    this step), holds a dead model: `dead_line` says so."""
+
+    def __init__(self, resumed: dict | None):
+        resumed = resumed or {}
+        self.lowest = resumed.get("lowest_loss", resumed.get("loss", math.inf))
+        self.resumed, self.rose_at, self.start = bool(resumed), resumed.get("rose_at"), resumed.get("step", 0)
+
+    def judged(self, losses: list[float]) -> dict:
+        """What a checkpoint's meta.json records of the loss, the run's `losses` so far judged; rose_now: the rise
+        is new at this checkpoint."""
+        loss, over = sum(losses[-10:]) / len(losses[-10:]), SPIKE * self.lowest
+        before = self.start + max(0, len(losses) - 10)   # the step before the window's first
+        first = next((before + 1 + i for i, x in enumerate(losses[-10:]) if x > over), None)
+        self.rose_now = loss > over and not self.rose_at
+        self.rose_at = (self.rose_at or first) if loss > over else None
+        self.lowest = min(self.lowest, loss)
+        return dict(loss=loss, lowest_loss=self.lowest, rose_at=self.rose_at)
+
+    def dead_line(self, loss: float, vocab_size: int) -> str | None:
+        """Read on a resumed run's first step."""
+        uniform = math.log(vocab_size)
+        if self.resumed and loss > 0.99 * uniform and (self.rose_at or loss > SPIKE * self.lowest):
+            return f"the loss {loss:.4g} is no better than guessing uniformly among the model's {vocab_size} tokens " \
+                   f"({uniform:.4g}), after it had risen: the weights it resumed from no longer learn; nothing was saved"
+        return None

@@ -2,7 +2,8 @@
 loss and perplexity under eval/, and each MoE layer's expert load as a figure (layers x experts, labelled, with its colour scale) and
 histograms under experts/, so that routing collapse shows at a glance. A resumed run purges what the
 interrupted one logged after the checkpoint it resumes from, so every curve holds each step once. And what
-it shows on the console as it goes (make_progress), and the GPU's data-sheet peak the MFU scalar is taken against."""
+it shows on the console as it goes (make_progress, busy_cpu_advice), and the GPU's data-sheet peak the MFU scalar is
+taken against."""
 import math
 import sys
 import time
@@ -157,3 +158,15 @@ def progress_lines(start: int, steps: int):
             print(f"step {done[0]}/{steps}: loss {loss:.3f}{evaluated}, {tokens_per_s:,.0f} tokens/s, "
                   f"eta {int(left // 60)}m{int(left % 60):02d}s", flush=True)
     return update
+
+
+def busy_cpu_advice(load: float, cores: int, threads: int) -> str | None:
+    """A line for a process whose threads (torch's default: one per core) outnumber the cores other work leaves free
+    (the last minute's load average): a thread that waits for a busy core stalls every step (one process on 2 busy
+    cores ran 5-9x slower with 2 threads than with 1). Advice, not a change of the count: the load average is the
+    last minute's, so a run started right after another sees that one's load on cores now idle."""
+    free = max(1, round(cores - load))
+    if threads <= free:
+        return None
+    return (f"the CPU is busy (load {load:.1f} on {cores} cores) and this run uses {threads} threads: if steps are "
+            f"slow, run with OMP_NUM_THREADS={free}")

@@ -28,7 +28,7 @@ from pith_apps.data import (ByteTokenizer, HFTokenizer, batch_at, document_ids, 
 from pith_apps.models.layers import hidden_matrices, use_fp8
 from pith_apps.options import (DTYPES, MODELS, check_args, check_export, hf_config_data, init_checkpoint,
                                model_config, parse_args, run_config_text)
-from pith_apps.run_log import RunLog, make_progress, peak_tflops
+from pith_apps.run_log import RunLog, busy_cpu_advice, make_progress, peak_tflops
 from pith_apps.stop_signals import StopSignals
 from pith_engine.compile import compile_stages
 from pith_engine.context_parallel import zigzag_part
@@ -74,7 +74,7 @@ def train(args) -> list[float]:
             (out / "comm-trace").mkdir(exist_ok=True)
         return train_on(args, cfg, parallel, device, (stream, held_out), folder, run_id, resume_from)
     except NonFinite as err:
-        raise ConfigError(f"{err}; {on_lead(parallel, lambda: folder.way_back(run_id, args.lr))}") from None
+        raise ConfigError(f"{err}; {on_lead(parallel, lambda: folder.way_back(run_id, args.lr, err.before))}") from None
     except RuntimeError as err:   # gloo's "Timed out waiting", NCCL's watchdog "timeout"
         if joined and re.search(r"[Tt]imed out|timeout", str(err)):
             raise TimedOut(timed_out_line(err, args.dist_timeout, out / "comm-trace")) from None
@@ -150,18 +150,6 @@ def join_processes(args, out: Path) -> bool:
 
 class TimedOut(ConfigError):
     """A wait for other ranks ran past --dist-timeout; every rank that timed out says so (main)."""
-
-
-def busy_cpu_advice(load: float, cores: int, threads: int) -> str | None:
-    """A line for a process whose threads (torch's default: one per core) outnumber the cores other work leaves free
-    (the last minute's load average): a thread that waits for a busy core stalls every step (one process on 2 busy
-    cores ran 5-9x slower with 2 threads than with 1). Advice, not a change of the count: the load average is the
-    last minute's, so a run started right after another sees that one's load on cores now idle."""
-    free = max(1, round(cores - load))
-    if threads <= free:
-        return None
-    return (f"the CPU is busy (load {load:.1f} on {cores} cores) and this run uses {threads} threads: if steps are "
-            f"slow, run with OMP_NUM_THREADS={free}")
 
 
 def layout(args) -> tuple[Parallel, torch.device]:
@@ -291,13 +279,17 @@ def train_on(args, cfg, parallel: Parallel, device: torch.device, data, folder, 
     if args.init and not resume_from:   # a resumed run's weights come from its checkpoint
         init_from_hf(args, model)
     optimizer, graph = prepare_step(args, parallel, device, model)
-    if args.save_every:
-        size = checkpoint_bytes(model, optimizer, parallel)
-        on_lead(parallel, lambda: folder.check_space(size))
+    from pith_apps.run_folder import LossWatch
     batches = batch_settings(args, stream, held_out)
-    start = restore(resume_from, model, optimizer, cfg, batches, folder, parallel) if resume_from else 0
+    resumed = restore(args, resume_from, model, optimizer, cfg, batches, folder, parallel) if resume_from else None
+    start, watch = resumed["step"] if resumed else 0, LossWatch(resumed)
     require(start <= args.steps, f"the checkpoint is at step {start}, past --steps {args.steps}; give --steps above "
             f"{start} to train on from it")
+    size, weights = checkpoint_bytes(model, optimizer, parallel)
+    saves = len({s for s in range(start + 1, args.steps + 1) if s % args.save_every == 0} | {args.steps}) \
+        if args.save_every and start < args.steps else 0
+    export = (args.export_hf, weights * dtype.itemsize) if args.export_hf else None
+    on_lead(parallel, lambda: folder.check_space(size, saves, export))
     on_lead(parallel, folder.begin)   # every check passed: only now is a run that --overwrite replaces deleted
     lead = parallel.rank == 0
     losses, speeds, evals = [], [], []
@@ -308,7 +300,7 @@ def train_on(args, cfg, parallel: Parallel, device: torch.device, data, folder, 
                                                                        dp_replicate=parallel.dp_replicate),
                       model=args.model, hf_config=hf_config, tokenizer=args.tokenizer, batches=batches,
                       optimizer=args.optimizer)
-    with StopSignals() as signals, RunLog(folder.tb, start, lead, args.image_every) as log:
+    with StopSignals(folder.checkpoints) as signals, RunLog(folder.tb, start, lead, args.image_every) as log:
         for step in range(start, args.steps):
             tic = time.perf_counter()
             lr = lr_at(step, args.lr, args.warmup, args.steps, args.schedule)
@@ -317,6 +309,9 @@ def train_on(args, cfg, parallel: Parallel, device: torch.device, data, folder, 
             input_ids, labels = batch_at(stream, step, args.seed, args.batch_size, args.seq_len)
             loss_value, norm, stop, routing = train_step(args, parallel, device, model, optimizer, step + 1, input_ids,
                                                          labels, graph, pipeline, lambda: signals.asked is not None)
+            dead = step == start and watch.dead_line(loss_value, cfg.vocab_size)
+            if dead:
+                raise NonFinite(f"step {step + 1}: {dead}", before=start)
             tokens_per_s = args.batch_size * args.seq_len / (time.perf_counter() - tic)
             losses.append(loss_value)
             speeds.append(tokens_per_s)
@@ -333,8 +328,10 @@ def train_on(args, cfg, parallel: Parallel, device: torch.device, data, folder, 
             progress(loss_value, tokens_per_s, evals[-1] if evaluated else None)
             if args.save_every and ((step + 1) % args.save_every == 0 or step + 1 == args.steps or stop):
                 require_finite_weights(model, parallel, step + 1)
-                recent = losses[-10:]   # the loss the save is judged by when the run turns non-finite (way_back)
-                save(folder, step + 1, model, optimizer, saved_meta | dict(loss=sum(recent) / len(recent)))
+                save(folder, step + 1, model, optimizer, saved_meta | watch.judged(losses), size)
+                if lead and watch.rose_now:
+                    print(f"step {step + 1}: saved after the loss rose; if it does not come back down, stop the run: "
+                          f"{folder.way_back(run_id, args.lr)}")
             if stop:
                 if lead:
                     saved = f"checkpoint step-{step + 1:08d}" if args.save_every else "no checkpoint (--save-every 0)"
@@ -386,8 +383,7 @@ def train_step(args, parallel: Parallel, device, model, optimizer, number: int, 
     if not math.isfinite(loss_value) or not math.isfinite(norm_value):
         what = f"the loss became {loss_value}" if not math.isfinite(loss_value) else \
             f"the gradients became non-finite (the loss was {loss_value:.4g})"
-        raise NonFinite(f"step {number}: {what}; the update was skipped and nothing of it was saved, the last "
-                        "checkpoint is intact")
+        raise NonFinite(f"step {number}: {what}; the update was skipped and nothing of it was saved", number - 1)
     return loss_value, norm_value, stop > 0, routing
 
 
@@ -489,20 +485,27 @@ def export_hf(args, parallel: Parallel, model, dtype: torch.dtype):
         print(f"exported the model to {args.export_hf}")
 
 
-def checkpoint_bytes(model, optimizer, parallel: Parallel) -> int:
-    """About what one checkpoint takes: the tensors it holds (checkpoint.training_state: the fp32 weights and the
-    optimizer's state, AdamW's two moments of a parameter or Muon's one momentum), each element once (HSDP's replicas
-    hold copies). Makes the optimizer's state now, the zeros its first step would make, as a resume's load does."""
+def checkpoint_bytes(model, optimizer, parallel: Parallel) -> tuple[int, int]:
+    """About what one checkpoint takes, and the model's count of weights: the tensors a checkpoint holds
+    (checkpoint.training_state: the fp32 weights and the optimizer's state, AdamW's two moments of a parameter or
+    Muon's one momentum), each element once (HSDP's replicas hold copies). Makes the optimizer's state now, the
+    zeros its first step would make, as a resume's load does."""
     from pith_engine.checkpoint import training_state
-    mine = sum(local_part(t).nbytes for t in training_state(model, optimizer).values())
-    size = torch.tensor(float(mine), dtype=torch.float64, device=next(model.parameters()).device)   # NCCL's: on the GPU
+    mine = [sum(local_part(t).nbytes for t in training_state(model, optimizer).values()),
+            sum(local_part(p).numel() for p in model.parameters())]
+    sizes = torch.tensor(mine, dtype=torch.float64, device=next(model.parameters()).device)   # NCCL's: on the GPU
     if parallel.world > 1:
-        dist.all_reduce(size)
-    return int(size.item()) // parallel.dp_replicate
+        dist.all_reduce(sizes)
+    return tuple(int(n) // parallel.dp_replicate for n in sizes.tolist())
 
 
 class NonFinite(ConfigError):
-    """The loss, gradients or weights became non-finite; train() adds where to continue from (RunFolder.way_back)."""
+    """The loss, gradients or weights became non-finite, or the model dead; train() adds where to continue from
+    (RunFolder.way_back): a checkpoint from before step `before`, those from it on holding the weights that failed."""
+
+    def __init__(self, line: str, before: int):
+        super().__init__(line)
+        self.before = before
 
 
 def require_finite_weights(model, parallel: Parallel, number: int):
@@ -513,14 +516,13 @@ def require_finite_weights(model, parallel: Parallel, number: int):
     if parallel.world > 1:
         dist.all_reduce(total)
     if not math.isfinite(total.item()):
-        raise NonFinite(f"step {number}: the weights became non-finite; nothing of it was saved, the last checkpoint "
-                        "is intact")
+        raise NonFinite(f"step {number}: the weights became non-finite; nothing of it was saved", number)
 
 
-def save(folder, step: int, model, optimizer, meta: dict):
+def save(folder, step: int, model, optimizer, meta: dict, size: int):
     from pith_engine import checkpoint
     try:
-        checkpoint.save(folder.checkpoints, step, model, optimizer, meta)
+        checkpoint.save(folder.checkpoints, step, model, optimizer, meta, size)
     except checkpoint.CheckpointError as err:
         raise ConfigError(str(err)) from None
 
@@ -533,15 +535,17 @@ def batch_settings(args, stream, held_out) -> dict:
             "held-out tokens (--eval-every, --eval-batches)": len(held_out)}
 
 
-def restore(path: Path, model, optimizer, cfg, batches: dict, folder, parallel: Parallel) -> int:
-    """Load the checkpoint at path; returns its step. A damaged one stops the run, naming the newest intact; one
+def restore(args, path: Path, model, optimizer, cfg, batches: dict, folder, parallel: Parallel) -> dict:
+    """Load the checkpoint at path; returns its meta. A damaged one stops the run, naming the newest intact; one
     whose run read other batches (batch_settings) is refused: its later steps would read other samples, some
     perhaps trained on already, or held out."""
     from pith_engine import checkpoint
     try:
         meta = checkpoint.read_meta(path)
-        require(meta.get("config") == config_dict(cfg),
-                f"checkpoint '{path}' was trained with another model config; use another --out or drop --resume")
+        require(meta.get("config") == config_dict(cfg), f"checkpoint '{path}' was trained with another model config "
+                f"({meta.get('model', 'unknown family')}; this run: {args.model}): " + (
+                    "give --resume-from a checkpoint of this model config" if args.resume_from else
+                    "use another --out, or replace its run with --overwrite"))
         saved = meta.get("batches", {})   # (not in checkpoints written before it was recorded)
         changed = [f"{name} {saved[name]} (now {value})" for name, value in batches.items()
                    if name in saved and saved[name] != value]
@@ -559,7 +563,7 @@ def restore(path: Path, model, optimizer, cfg, batches: dict, folder, parallel: 
         raise ConfigError(f"{err}; {on_lead(parallel, lambda: folder.good_one(skip=path))}") from None
     if parallel.rank == 0:
         print(f"resumed from {path} at step {meta['step']} (saved under {meta['layout']})")
-    return meta["step"]
+    return meta
 
 
 def main(argv=None):

@@ -14,12 +14,16 @@ rank gets rank 0's back; the app draws from explicit generators) ride along, and
 tensor.
 
 A save writes step-N.tmp/, then each rank sums the size and CRC-32 of the files it wrote, rank 0 checks that it sees
-them all (--out must be one folder for every node) and records them in meta.json (and meta.json's own), renames the folder to step-N/ and points the `latest` file at it (each rename one atomic step): a crash
-midway leaves the previous checkpoint untouched and `latest` naming it. A load first checks every file against
-meta.json, and meta.json against its checksum and its step against the folder's name, so a truncated, missing
-or altered file stops it with CheckpointError instead of loading changed weights.
-Pruning keeps the KEEP most recently saved checkpoints of the saving run's lineage (meta "run"), and never
-touches a checkpoint of another run.
+them all (--out must be one folder for every node) and records them in meta.json (and meta.json's own), renames
+the folder to step-N/ and points the `latest` file at it (each rename one atomic step): a crash midway leaves the
+previous checkpoint untouched and `latest` naming it. A load first checks every file against meta.json, every
+file DCP's .metadata reads from against it too, and meta.json against its checksum and its step against the
+folder's name, so a truncated, missing or altered file stops it with CheckpointError instead of loading changed
+weights. A meta.json without its checksum is read only where it is of the format written before checksums were
+(OLDER_FORMAT's keys alone).
+Pruning keeps the KEEP most recently saved checkpoints of the saving run's lineage (meta "run") and, while one of
+those was saved after the run's loss had risen (meta "rose_at", the app's judgement), the newest one from before
+the rise; it never touches a checkpoint of another run.
 """
 import contextlib
 import json
@@ -41,6 +45,9 @@ from pith_engine.contract import MoeModel, expert_stacks
 
 KEEP = 2   # most recently saved checkpoints of a run kept; older ones are deleted after a successful save
 STEP_FOLDER = re.compile(r"step-\d{8}")
+# what a meta.json written before it carried its own checksum (Pith before 2026-12-05) could hold: one without the
+# checksum but with any other key was edited
+OLDER_FORMAT = {"run", "config", "layout", "model", "hf_config", "tokenizer", "batches", "step", "saved_at", "files"}
 
 
 class CheckpointError(ValueError):
@@ -122,15 +129,17 @@ def is_writer() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-def save(directory: str | Path, step: int, model: MoeModel, optimizer, meta: dict) -> Path:
+def save(directory: str | Path, step: int, model: MoeModel, optimizer, meta: dict, size: int | None = None) -> Path:
     """Write step-<step>/ under directory (all ranks call this); meta (JSON, with "run": the lineage to prune
     within) goes into meta.json with the step, the time and the files' checksums. A failure on any rank, rank 0's
-    own writes included, raises CheckpointError on every rank, none left waiting for the others."""
+    own writes included, raises CheckpointError on every rank, none left waiting for the others; size (the
+    caller's estimate of a checkpoint's bytes) lets it tell a full disk from other failures."""
     directory = Path(directory)
     final, tmp = directory / f"step-{step:08d}", directory / f"step-{step:08d}.tmp"
 
     def start():
-        shutil.rmtree(tmp, ignore_errors=True)
+        for stale in directory.glob("step-????????.tmp"):   # this one, or one a killed save left
+            shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir(parents=True)
 
     def write():
@@ -146,15 +155,24 @@ def save(directory: str | Path, step: int, model: MoeModel, optimizer, meta: dic
     problem = problem or agreed(failure_of(write))
     if problem:   # what was written of it, by every rank (on a folder not shared, each its own): space free again
         shutil.rmtree(tmp, ignore_errors=True)
-        free = shutil.disk_usage(directory).free / 1e9 if directory.is_dir() else float("nan")
-        raise CheckpointError(f"could not write checkpoint '{final}' ({problem}; {free:.1f} GB free there); "
-                              f"the last good checkpoint is {latest_name(directory)}")
+        free = shutil.disk_usage(directory).free if directory.is_dir() else 0
+        if "No space left" in problem or "unexpected pos" in problem or size and free < size:   # (torch's zip writer)
+            problem = f"the disk is full: {directory} has {size_text(free)} free" + (
+                f", a checkpoint takes about {size_text(size)}" if size else "")
+        else:
+            problem += f"; {size_text(free)} free there"
+        raise CheckpointError(f"could not write checkpoint '{final}' ({problem}); the last good checkpoint is "
+                              f"{latest_name(directory)}")
     if is_writer():
         try:
             prune(directory, meta.get("run"))
         except OSError as err:   # saved all the same: the run goes on, with more on disk than it keeps
             warnings.warn(f"checkpoint '{final}' was saved, but an older one could not be deleted ({first_line(err)})")
     return final
+
+
+def size_text(size: float) -> str:
+    return f"{size / 1e9:.1f} GB" if size >= 1e9 else f"{size / 1e6:.1f} MB"
 
 
 def failure_of(work) -> str | None:
@@ -236,11 +254,17 @@ def saved_checkpoints(directory: str | Path) -> list[tuple[Path, dict]]:
 
 
 def prune(directory: Path, run):
-    """Delete the checkpoints of lineage `run` beyond the KEEP most recently saved; an unreadable one or one of
-    another run is never deleted."""
-    mine = [path for path, meta in saved_checkpoints(directory) if meta.get("run") == run]
-    for path in mine[:-KEEP]:
-        shutil.rmtree(path)
+    """Delete the checkpoints of lineage `run` beyond the KEEP most recently saved, except, for a kept one whose meta
+    records rose_at (the step at which the run's loss rose, by the app's judgement), the newest one from before
+    step rose_at - 1 (whose weights gave the loss before the rise); one unreadable or of another run is never
+    deleted."""
+    mine = [(path, meta) for path, meta in saved_checkpoints(directory) if meta.get("run") == run]
+    keep = {path for path, _ in mine[-KEEP:]}
+    for rose in {meta["rose_at"] for _, meta in mine[-KEEP:] if meta.get("rose_at")}:
+        keep.update([path for path, meta in mine if meta.get("step", rose) < rose - 1 and not meta.get("rose_at")][-1:])
+    for path, _ in mine:
+        if path not in keep:
+            shutil.rmtree(path)
 
 
 def write_atomic(path: Path, text: str):
@@ -290,6 +314,10 @@ def read_meta(checkpoint: str | Path) -> dict:
     if crc is not None and crc != zlib.crc32(json.dumps(meta, sort_keys=True).encode()):
         raise CheckpointError(f"checkpoint '{checkpoint}' is damaged: its meta.json was changed after it was written "
                               "(it does not match its checksum)")
+    newer = sorted(set(meta) - OLDER_FORMAT)
+    if crc is None and newer:
+        raise CheckpointError(f"checkpoint '{checkpoint}' is damaged: its meta.json has no checksum, yet holds "
+                              f"'{newer[0]}', which only checksummed ones hold: it was edited")
     name = Path(checkpoint).name
     if STEP_FOLDER.fullmatch(name) and "step" in meta and meta["step"] != int(name.removeprefix("step-")):
         raise CheckpointError(f"checkpoint '{checkpoint}' is damaged: its meta.json names step {meta.get('step')}, "
@@ -299,7 +327,8 @@ def read_meta(checkpoint: str | Path) -> dict:
 
 def damage(checkpoint: str | Path, share: tuple[int, int] = (0, 1)) -> str | None:
     """Why the checkpoint is not as it was written (None: it is). share = (i, n): check only every n-th file from
-    the i-th, so that n ranks split the reading."""
+    the i-th, so that n ranks split the reading; the first share also checks that every file DCP's .metadata reads
+    from is listed, or (meta.json of the older format) there with the bytes it reads."""
     try:
         files = read_meta(checkpoint)["files"]
     except CheckpointError as err:
@@ -312,6 +341,20 @@ def damage(checkpoint: str | Path, share: tuple[int, int] = (0, 1)) -> str | Non
             return f"checkpoint '{checkpoint}' is damaged: its file {name} has {path.stat().st_size} bytes, not {size}"
         if crc32_of(path) != crc:
             return f"checkpoint '{checkpoint}' is damaged: its file {name} does not match its checksum"
+    if share[0] != 0:
+        return None
+    try:
+        storage = dcp.FileSystemReader(checkpoint).read_metadata().storage_data
+    except Exception as err:   # a missing or truncated .metadata: unpickling raises what it meets (EOFError, ...)
+        return f"checkpoint '{checkpoint}' is damaged: its .metadata cannot be read ({first_line(err)})"
+    ends = {}
+    for info in storage.values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        path = Path(checkpoint) / name
+        if name not in files and (not path.is_file() or path.stat().st_size < end):
+            held = f"has {path.stat().st_size} bytes, fewer than the {end} it" if path.is_file() else "is missing, which"
+            return f"checkpoint '{checkpoint}' is damaged: its file {name} {held} .metadata reads"
     return None
 
 

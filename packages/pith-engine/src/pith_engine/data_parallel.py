@@ -70,19 +70,23 @@ def _start_chunk(model, args, kwargs):
     """Before each call of a pipeline rank's model (a chunk: its `layers`), what FSDP2 does for the layers under one
     root, here roots of their own: in the forward a layer gathers its experts' weights as it starts and the experts
     the next layer's; in the backward a layer its experts', they the layer's before. So that one may gather the
-    next, each is set up (else done at its first forward) and its gathers ordered after the work issued so far (the
-    optimizer's step, which writes the shards they read), as at its own forward. Nothing across chunks: what runs
-    after a chunk is another micro-batch's."""
+    next, each is set up once (else done at its first forward) and, at every call, its gathers ordered after the
+    work issued so far (the optimizer's step, which writes the shards they read), as at its own forward. Nothing
+    across chunks: what runs after a chunk is another micro-batch's."""
     layers = [model.layers[n] for n in kwargs.get("layers") or model.layers]
-    parts = [[layer, *([layer.experts] if layer.is_moe else [])] for layer in layers]
-    forward, backward = sum(parts, []), sum(reversed(parts), [])
-    for module, after in zip(forward, forward[1:]):
-        module.set_modules_to_forward_prefetch([after])
-    for module, after in zip(backward, backward[1:]):
-        module.set_modules_to_backward_prefetch([after])
+    chunks = model.__dict__.setdefault("_prefetching_chunks", set())   # set up once per chunk
+    if tuple(map(id, layers)) not in chunks:
+        chunks.add(tuple(map(id, layers)))
+        parts = [[layer, *([layer.experts] if layer.is_moe else [])] for layer in layers]
+        forward, backward = sum(parts, []), sum(reversed(parts), [])
+        for module, after in zip(forward, forward[1:]):
+            module.set_modules_to_forward_prefetch([after])
+        for module, after in zip(backward, backward[1:]):
+            module.set_modules_to_backward_prefetch([after])
+        for layer in layers:
+            layer._get_fsdp_state()._lazy_init()
     for layer in layers:
         state = layer._get_fsdp_state()
-        state._lazy_init()
         for stream in (state._comm_ctx.all_gather_copy_in_stream, state._comm_ctx.all_gather_stream):
             stream.wait_stream(state._device_handle.current_stream())
 
