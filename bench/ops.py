@@ -89,7 +89,7 @@ def bench_memory_bound(copy, tokens=32768, hidden=2048, top_k=8, experts=128, in
     report(kernel="combine fwd", tokens=x.shape[0], top_k=top_k, ms=round(t, 4), gbps=round(nbytes / t / 1e6), of_copy=round(nbytes / t / 1e6 / copy, 3))
     combined = combine_tokens(y, weights, order, inverse, top_k)
     g = torch.randn_like(combined)
-    t = graph_ms(lambda: combine_backward_op(g, y, order, weights, top_k))
+    t = graph_ms(lambda: combine_backward_op(g, y, order, inverse, weights, top_k))
     nbytes = 2 * slots + order.numel() * x.shape[1] * 2
     report(kernel="combine bwd", tokens=x.shape[0], top_k=top_k, ms=round(t, 4), gbps=round(nbytes / t / 1e6), of_copy=round(nbytes / t / 1e6 / copy, 3))
     t_ref = graph_ms(lambda: (y.index_select(0, inverse).view(-1, top_k, hidden) * weights[..., None]).sum(1))

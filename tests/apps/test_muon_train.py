@@ -113,7 +113,7 @@ def train(out, steps, *flags):
 
 
 def noting_checkpoint_bytes(noted: dict, patch: pytest.MonkeyPatch):
-    """RunFolder.check_space notes the size it is given (train_app.checkpoint_bytes) under the run folder's name."""
+    """RunFolder.check_space notes the size it is given (pith_apps.run_folder.checkpoint_bytes) under the run folder's name."""
     check = RunFolder.check_space
     patch.setattr(RunFolder, "check_space", lambda self, size, *rest: noted.update({self.out.name: size}) or check(
         self, size, *rest))

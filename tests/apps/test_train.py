@@ -71,14 +71,16 @@ def test_bf16_compute_follows_the_fp32_run_and_keeps_fp32_weights_and_optimizer_
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (the device machine)")
-@pytest.mark.parametrize("model,fp8,micro_batches", [(model, False, 1) for model in train_app.MODELS] +
-                         [("qwen3", True, 1), ("qwen3", False, 2)])
-def test_the_replayed_cuda_graph_step_trains_and_evaluates_as_the_eager_step(model, fp8, micro_batches):
+@pytest.mark.parametrize("model,fp8,micro_batches,capacity", [(model, False, 1, None) for model in train_app.MODELS] +
+                         [("qwen3", True, 1, None), ("qwen3", False, 2, None), ("qwen3", False, 1, 0.5),
+                          ("gpt_oss", False, 2, 0.5)])
+def test_the_replayed_cuda_graph_step_trains_and_evaluates_as_the_eager_step(model, fp8, micro_batches, capacity):
     """On one GPU the app replays its step as a CUDA graph from step 3. train_on's loop (without its TensorBoard
     log), eagerly and through step_graph: the losses of 8 steps under a warmup schedule (the lr changes each step)
     and held-out losses evaluated before the capture and between replays (the bf16 copies of the weights and,
     with --fp8, their FP8 blocks made afresh; with 2 micro-batches the copies kept and written by AdamW) match within
-    1e-4 (atomic adds in the embedding's backward)."""
+    1e-4 (atomic adds in the embedding's backward). capacity: --capacity-factor, slots over it absent (fewer experts
+    for some tokens, the buffers still full-size)."""
     args = train_app.parse_args([model, *QUICK, "--steps", "8", "--warmup", "8", "--eval-batches", "2", "--device",
                                  "cuda", "--allow-slow-delta-rule",   # qwen3_5: fla-core's kernels where they run
                                  "--micro-batch-size", str(8 // micro_batches), *(["--fp8", "all"] if fp8 else [])])
@@ -89,7 +91,8 @@ def test_the_replayed_cuda_graph_step_trains_and_evaluates_as_the_eager_step(mod
     for graphed in (True, False):
         parallel, device = train_app.layout(args)
         net = train_app.build_model(train_app.MODELS[model][1], options.model_config(args), parallel, device,
-                                    torch.bfloat16, args.seed, args.seq_len, args.balance, micro_batches)
+                                    torch.bfloat16, args.seed, args.seq_len, args.balance, micro_batches,
+                                    capacity_factor=capacity)
         args.cuda_graph = graphed
         optimizer, graph = train_app.prepare_step(args, parallel, device, net)   # compiled, FP8, copies kept
         losses, evals = [], []

@@ -80,9 +80,10 @@ def test_the_counter_sees_each_kind_of_wait_forward_and_backward():
 BATCH, SEQ = 2, 16
 
 
-def moe_layer_inputs(family, parallel, device="cpu", dtype=torch.float32):
+def moe_layer_inputs(family, parallel, device="cpu", dtype=torch.float32, capacity=None):
     """The first MoE layer of the family's tiny model (all its experts, or this ep rank's), its input (this rank's
-    own tokens) and layer arguments, and an output gradient."""
+    own tokens) and layer arguments, and an output gradient. capacity: the layer's capacity factor (0.5: about
+    half its slots absent)."""
     config_cls, model_cls = MODELS[family]
     cfg = config_cls.from_dict(read_json(PRESETS / f"{family}_tiny.json") | {"initializer_range": 0.2})
     model = model_cls(cfg, parallel).to(device, dtype)
@@ -91,13 +92,14 @@ def moe_layer_inputs(family, parallel, device="cpu", dtype=torch.float32):
     x = torch.randn(BATCH, SEQ, cfg.hidden_size, generator=generator).to(device, dtype).requires_grad_()
     ids = torch.zeros(BATCH, SEQ, dtype=torch.long, device=device)
     layer_args = model.layer_args(model.positions(ids, None), None, dtype)
+    moe_layers(model)[0].balance.capacity_factor = capacity
     return moe_layers(model)[0], x, layer_args, torch.randn(x.shape, generator=generator).to(device, dtype)
 
 
-def count_syncs(family, parallel) -> tuple[list[str], list[str]]:
+def count_syncs(family, parallel, capacity=None) -> tuple[list[str], list[str]]:
     """The calls of one MoE layer's forward and of its backward that would wait for the host on CUDA, after a
     first forward and backward (where the layer looks up its process group, once)."""
-    layer, x, layer_args, grad = moe_layer_inputs(family, parallel)
+    layer, x, layer_args, grad = moe_layer_inputs(family, parallel, capacity=capacity)
     layer(x, *layer_args).backward(grad)
     with HostSyncs() as forward:
         out = layer(x, *layer_args)
@@ -114,17 +116,19 @@ FAMILIES = ["qwen3", "deepseek_v2", "gpt_oss"]
 ON_CPU = FAMILIES if not torch.cuda.is_available() else FAMILIES[:2]
 
 
+@pytest.mark.parametrize("capacity", [None, 0.5])   # 0.5: slots over capacity absent, the buffers still full-size
 @pytest.mark.parametrize("family", ON_CPU)
-def test_one_process_moe_layer_waits_for_the_host_neither_forward_nor_backward(family):
+def test_one_process_moe_layer_waits_for_the_host_neither_forward_nor_backward(family, capacity):
     with mock.patch.object(gpt_oss, "grouped_bias_add", bias_kernel):
-        forward, backward = count_syncs(family, Parallel())
+        forward, backward = count_syncs(family, Parallel(), capacity)
     assert (forward, backward) == ([], [])
 
 
 def expert_parallel_body(rank, world, out):
     with mock.patch.object(gpt_oss, "grouped_bias_add", bias_kernel):
         for family in ON_CPU:
-            out[(family, rank)] = count_syncs(family, Parallel.build(ep=world))
+            for capacity in (None, 0.5):
+                out[(family, capacity, rank)] = count_syncs(family, Parallel.build(ep=world), capacity)
 
 
 def test_expert_parallel_moe_layer_waits_for_the_host_once_in_its_forward_never_in_its_backward():
@@ -134,7 +138,8 @@ def test_expert_parallel_moe_layer_waits_for_the_host_once_in_its_forward_never_
         out = manager.dict()
         run_on_processes(2, expert_parallel_body, out)
         counts = dict(out)
-    assert counts == {(family, rank): (["tolist"], []) for family in ON_CPU for rank in range(2)}
+    assert counts == {(family, capacity, rank): (["tolist"], []) for family in ON_CPU for capacity in (None, 0.5)
+                      for rank in range(2)}
 
 
 @contextmanager
@@ -157,9 +162,10 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 @needs_cuda
+@pytest.mark.parametrize("capacity", [None, 0.5])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_one_process_moe_layer_on_cuda_syncs_neither_forward_nor_backward(family):
-    layer, x, layer_args, grad = moe_layer_inputs(family, Parallel(), "cuda", torch.bfloat16)
+def test_one_process_moe_layer_on_cuda_syncs_neither_forward_nor_backward(family, capacity):
+    layer, x, layer_args, grad = moe_layer_inputs(family, Parallel(), "cuda", torch.bfloat16, capacity)
     layer(x, *layer_args).backward(grad)   # compiles the kernels and initializes the libraries first
     torch.cuda.synchronize()
     with cuda_sync_warnings() as forward:

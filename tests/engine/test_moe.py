@@ -67,6 +67,7 @@ def test_aux_free_bias_steers_the_choice_not_the_weights_and_moves_toward_balanc
     scores = torch.tensor([[0.4, 0.3, 0.2, 0.1]] * 3)
     expert_ids, weights = balance.select(scores, 2)
     assert expert_ids.tolist() == [[0, 1]] * 3 and torch.equal(weights, scores[:, :2])
+    balance.attach_loss(scores, scores, expert_ids, 1)   # where a layer's routing is counted
     update_expert_bias(balance)   # loads 3, 3, 0, 0 around a mean of 1.5
     assert balance.expert_bias.tolist() == pytest.approx([-0.12, -0.12, 0.12, 0.12])
     assert balance.expert_load.sum().item() == 0

@@ -24,12 +24,13 @@ def test_sort_by_expert_groups_slots_and_inverse_undoes_it(tokens, top_k, expert
     assert torch.equal(order[inverse], torch.arange(tokens * top_k))
 
 
+@pytest.mark.parametrize("present", [4, None])   # None: every slot kept in order, the absent ones after the rest
 @pytest.mark.parametrize("use_kernel", [False, True])
-def test_sort_by_expert_leaves_absent_slots_out(use_kernel):
+def test_sort_by_expert_leaves_absent_slots_out(use_kernel, present):
     expert_ids = torch.tensor([[1, -1], [-1, 0], [1, 0], [-1, -1]])
     device = KERNEL_DEVICE if use_kernel else "cpu"
-    order, inverse, tokens_per_expert = sort_by_expert(expert_ids.to(device), 2, present=4, use_kernel=use_kernel)
-    assert order.tolist() == [3, 5, 0, 4]
+    order, inverse, tokens_per_expert = sort_by_expert(expert_ids.to(device), 2, present=present, use_kernel=use_kernel)
+    assert order.tolist() == [3, 5, 0, 4] + ([] if present else [1, 2, 6, 7])
     assert inverse.tolist() == [2, -1, -1, 0, 3, 1, -1, -1]
     assert tokens_per_expert.tolist() == [2, 2]
 
@@ -42,24 +43,28 @@ def test_the_counting_sort_kernels_give_the_stable_argsorts_order(tokens, top_k,
     expert_ids = torch.randint(0, experts, (tokens, top_k), generator=generator)
     if absent:
         expert_ids[torch.rand(expert_ids.shape, generator=generator) < 0.3] = -1
-    present = int((expert_ids >= 0).sum())
-    expected = sort_by_expert(expert_ids, experts, present if absent else None, use_kernel=False)
-    got = _counting_sort(expert_ids.to(KERNEL_DEVICE).flatten(), experts, present, block=64)
+    expected = sort_by_expert(expert_ids, experts, use_kernel=False)
+    got = _counting_sort(expert_ids.to(KERNEL_DEVICE).flatten(), experts, block=64)
     for name, a, b in zip(("order", "inverse", "tokens_per_expert"), got, expected):
         assert torch.equal(a.cpu(), b), name
 
 
 @pytest.mark.parametrize("weighted", [True, False])   # False: constant weights, no rows kept for their gradient
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tokens,top_k,experts,hidden,absent", [(1, 1, 4, 16, False), (13, 2, 5, 40, False),
-                                                                 (33, 8, 16, 24, False), (7, 8, 8, 130, False),
-                                                                 (13, 2, 5, 40, True), (33, 8, 16, 24, True)])
+@pytest.mark.parametrize("tokens,top_k,experts,hidden,absent", [(1, 1, 4, 16, None), (13, 2, 5, 40, None),
+                                                                 (33, 8, 16, 24, None), (7, 8, 8, 130, None),
+                                                                 (13, 2, 5, 40, "cut"), (33, 8, 16, 24, "cut"),
+                                                                 (13, 2, 5, 40, "kept"), (33, 8, 16, 24, "kept")])
 def test_dispatch_and_combine_kernels_match_references_forward_and_backward(tokens, top_k, experts, hidden, absent,
                                                                             dtype, weighted):
+    """absent: slots marked -1, as on an expert-parallel receiver (slots whose expert lives elsewhere) or from a
+    router that picks fewer than top_k; "cut": order stops at the present slots; "kept": order keeps every slot
+    (the fixed size of one process), the expert rows past the present ones NaN, which nothing may read."""
     expert_ids = random_routing(tokens, top_k, experts, seed=tokens)
-    if absent:   # as on an expert-parallel receiver: slots whose expert lives elsewhere are marked -1
+    if absent:
         expert_ids[torch.rand(expert_ids.shape, generator=torch.Generator().manual_seed(1)) < 0.4] = -1
-    order, inverse, _ = sort_by_expert(expert_ids, experts, int((expert_ids >= 0).sum()) if absent else None)
+    present = int((expert_ids >= 0).sum())
+    order, inverse, _ = sort_by_expert(expert_ids, experts, present if absent == "cut" else None)
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(tokens, hidden, generator=generator).to(dtype)
     weights = torch.rand(tokens, top_k, generator=generator).to(dtype)
@@ -70,14 +75,18 @@ def test_dispatch_and_combine_kernels_match_references_forward_and_backward(toke
         x_, w_ = x.to(device).requires_grad_(), weights.to(device).requires_grad_(weighted)
         o, i = order.to(device), inverse.to(device)
         expert_out = dispatch_tokens(x_, o, i, top_k, use_kernel) * 1.5   # a stand-in expert
+        expert_out = torch.where(torch.arange(o.numel(), device=device)[:, None] < present, expert_out, float("nan"))
         out = combine_tokens(expert_out, w_, o, i, top_k, use_kernel)
         out.backward(grad.to(device))
         return [t.cpu() for t in (expert_out, out, x_.grad, w_.grad if weighted else torch.zeros(1))]
     # dispatch is a copy (exact); combine sums top_k products in fp32 and rounds once to the dtype
     tolerance = {torch.float32: 1e-6, torch.bfloat16: 8e-3}[dtype]
     results = run(True)
-    for got, expected in zip(results, run(False)):
+    for got, expected in zip(results[1:], run(False)[1:]):
         assert got.dtype == expected.dtype and relative_error(got, expected) < tolerance
+    # against the sum written out: each token's present slots only
+    kept = torch.where(expert_ids >= 0, weights.float(), 0)
+    assert relative_error(results[1], (1.5 * x.float() * kept.sum(1, keepdim=True)).to(dtype)) < tolerance
     if absent and weighted:   # an absent slot contributes nothing and its weight gets no gradient
         assert torch.all(results[3][expert_ids < 0] == 0)
 

@@ -16,7 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", ROOT / "MAP.md", *sorted((ROOT / "docs").glob("*.md")),
-        *sorted((ROOT / "skills").glob("**/SKILL.md")), ROOT / "packages/pith-ops/README.md"]
+        *sorted((ROOT / "skills").glob("**/SKILL.md")), ROOT / "packages/pith-ops/README.md", ROOT / "AGENTS.md"]
 STARTS = ("hatch ", "python ", "python3 ", "torchrun ", "pip ", "PYTHONPATH=", "OMP_NUM_THREADS=", "PITH_SLOW=")
 PLACEHOLDER = re.compile(r"(?<![A-Za-z0-9])(FAMILY|NAME|CHECKPOINT|OUT|HF_FOLDER|DIR|P|N|F|B|W|X)(?![A-Za-z0-9])|<out>")
 
@@ -49,6 +49,7 @@ BY_TEST = {
     "skills/pith-apps/collect-routing-trace/trace_routing.py": "test_skill_scripts.py::test_the_routing_trace_is_the_apps_run_and_its_routing",
     "skills/pith-ops/add-kernel/tests_template.py": "test_skill_scripts.py::test_the_kernel_template_passes_its_test_and_the_test_catches_a_wrong_kernel",
     "skills/pith-apps/add-new-model/parity_template.py": "test_skill_scripts.py::test_the_parity_template_passes_on_each_family_and_catches_a_wrong_model",
+    "skills/pith-apps/add-routing-variant/routing_template.py": "test_skill_scripts.py::test_the_routing_template_passes_and_catches_a_wrong_router",
     "skills/pith-apps/estimate-memory/estimate_memory.py": "test_estimate_memory.py::test_the_skills_example_prints_what_its_skill_md_shows",
     "skills/pith-apps/plan-layout/plan_layout.py": "test_plan_layout.py::test_the_skills_example_prints_what_its_skill_md_shows",
 }

@@ -1,6 +1,7 @@
-"""The README, MAP.md and docs/ name only what exists: every repository path they give, in code or in prose; every
-file of MAP.md's tree; every function or class MAP.md's tables place in a file (defined there); every pith_* dotted
-name (imported) and --flag in their code. And the README stays a quick start, the options and pointers."""
+"""The README, AGENTS.md, MAP.md and docs/ name only what exists: every repository path they give, in code or in
+prose; every file of MAP.md's tree; every function or class MAP.md's tables place in a file (defined there); every
+pith_* dotted name (imported) and --flag in their code. And the README stays a quick start, the options and
+pointers, and AGENTS.md one screen that says where each kind of task starts."""
 import re
 from pathlib import Path
 
@@ -9,12 +10,12 @@ import pytest
 import test_skill_docs as skill_docs
 from test_skill_docs import ROOT, code_of, defined_flags
 
-DOCS = [ROOT / "README.md", ROOT / "MAP.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", ROOT / "AGENTS.md", ROOT / "MAP.md", *sorted((ROOT / "docs").glob("*.md"))]
 SHORT = {"pith_ops/": "packages/pith-ops/src/pith_ops/", "pith_engine/": "packages/pith-engine/src/pith_engine/",
          "pith_apps/": "packages/pith-apps/src/pith_apps/"}
 # a path in prose or code: under a top-level folder of the repository, a package's short form, or a root file
 PATH = re.compile(r"(?<![\w./~-])((?:packages|docs|skills|tests|bench|\.ci|pith_ops|pith_engine|pith_apps)/[\w./-]*[\w/]"
-                  r"|(?:README|MAP)\.md|hatch\.toml)")
+                  r"|(?:README|AGENTS|MAP)\.md|hatch\.toml)")
 
 
 def repository_path(token: str) -> Path:
@@ -86,3 +87,27 @@ def test_the_readme_is_a_quick_start_the_options_and_pointers():
     for doc in ("docs/runs.md", "docs/training.md", "docs/parallelism.md", "docs/speed.md", "docs/testing.md",
                 "MAP.md", "docs/architecture.md"):
         assert doc in text, doc
+
+
+# each kind of task AGENTS.md must say where to start: a word of its row -> the paths it must give
+AGENTS_STARTS = {
+    "train": ["README.md", "docs/runs.md", "docs/training.md"],
+    "model": ["skills/pith-apps/add-new-model/SKILL.md"],
+    "kernel": ["skills/pith-ops/add-kernel/SKILL.md"],
+    "routing": ["skills/pith-apps/add-routing-variant/SKILL.md"],
+    "attention": ["skills/pith-apps/add-attention-variant/SKILL.md"],
+    "parallel": ["docs/parallelism.md", "skills/pith-apps/plan-layout/SKILL.md", "skills/pith-apps/launch/SKILL.md"],
+}
+
+
+def test_agents_md_is_one_screen_that_says_where_each_task_starts():
+    """At most 60 lines; for each kind of task a line of AGENTS.md names it and gives the paths to start from, each
+    of which exists; and it points to MAP.md, the full map."""
+    text = (ROOT / "AGENTS.md").read_text()
+    assert len(text.splitlines()) <= 60
+    assert "MAP.md" in text
+    for task, paths in AGENTS_STARTS.items():
+        rows = [line for line in text.splitlines() if re.search(rf"\b{task}", line, flags=re.I)]
+        for path in paths:
+            assert any(path in row for row in rows), f"{task}: {path}"
+            assert (ROOT / path).is_file(), path

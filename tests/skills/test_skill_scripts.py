@@ -161,3 +161,22 @@ def test_the_parity_template_passes_on_each_family_and_catches_a_wrong_model(tmp
         for name in variants:
             (folder / name).unlink(missing_ok=True)
     assert "3 passed" in done.stdout and "1 failed" in done.stdout and "parity_wrong.py" in done.stdout, done.stdout
+
+
+def test_the_routing_template_passes_and_catches_a_wrong_router():
+    """The line of skills/pith-apps/add-routing-variant/SKILL.md runs the template: 4 passed (the limit, the hand
+    case, training through the app, ep 2 and cp 2 against one process); a copy whose rule keeps a slot when the
+    scores before it reach p exactly (<= for <) fails the hand case."""
+    env, argv = doc_command("skills/pith-apps/add-routing-variant/SKILL.md", "routing_template.py")
+    folder = ROOT / "skills/pith-apps/add-routing-variant"
+    done = subprocess.run([*argv, "-p", "no:cacheprovider"], capture_output=True, text=True, cwd=ROOT,
+                          env=os.environ | env)
+    assert done.returncode == 0 and "4 passed" in done.stdout, done.stdout[-3000:]
+    wrong = folder / "routing_wrong.py"
+    try:
+        wrong.write_text((folder / "routing_template.py").read_text().replace("before < p", "before <= p"))
+        broken = subprocess.run([*argv[:-1], str(wrong), "-k", "hand", "-p", "no:cacheprovider"], capture_output=True,
+                                text=True, cwd=ROOT, env=os.environ | env)
+    finally:
+        wrong.unlink(missing_ok=True)
+    assert broken.returncode == 1 and "1 failed" in broken.stdout, broken.stdout[-3000:]

@@ -14,6 +14,15 @@ class ConfigError(ValueError):
     """A user-facing problem with a config, a path or a flag."""
 
 
+class NonFinite(ConfigError):
+    """The loss, gradients or weights became non-finite, or the model dead; train() adds where to continue from
+    (RunFolder.way_back): a checkpoint from before step `before`, those from it on holding the weights that failed."""
+
+    def __init__(self, line: str, before: int):
+        super().__init__(line)
+        self.before = before
+
+
 def write_problem(folder: Path) -> str | None:
     """Why a file cannot be written in folder (made when missing), tried with one of our own; None: it can."""
     try:
@@ -86,11 +95,13 @@ def require(ok: bool, message: str):
         raise ConfigError(message)
 
 
-def flops_per_token(p: dict, seq: int) -> float:
-    """Training FLOPs per token of a Hugging Face config of the three families at sequence length seq: 6 per
-    matmul weight a token passes through (attention, router, active and shared experts, LM head), plus the
-    causal attention scores (a sliding-window layer's only up to its window). MFU's numerator."""
+def flops_per_token(p: dict, seq: int, routed: float | None = None) -> float:
+    """Training FLOPs per token of a Hugging Face config of the families at sequence length seq: 6 per matmul
+    weight a token passes through (attention, router, routed and shared experts, LM head), plus the causal
+    attention scores (a sliding-window layer's only up to its window). MFU's numerator. routed: the routed experts
+    a token passes through, on average (fewer than num_experts_per_tok where slots were absent; default that)."""
     h, heads, layers = p["hidden_size"], p["num_attention_heads"], p["num_hidden_layers"]
+    p = p | {"num_experts_per_tok": p["num_experts_per_tok"] if routed is None else routed}
     if p["model_type"] == "qwen3_5_moe_text":
         return qwen3_5_flops_per_token(p, seq)
     if p["model_type"] == "deepseek_v2":

@@ -132,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
         "CUDA; CUDA and one process only).")
     add("--balance", help="Expert load balancing: " + ", ".join(BALANCE_MODES) + " (default: the family's own, "
         "sequence for DeepSeek-V2 with seq_aux, else global_batch).")
+    add("--capacity-factor", type=float, help="Each expert takes at most F x (slots / experts) of the slots a rank "
+        "routes in a micro-batch, first choices first; the rest are dropped, their tokens passing on by the residual "
+        "(default: dropless).")
     for dim, meaning in (("dp", "data (FSDP2)"), ("ep", "expert"), ("pp", "pipeline (DualPipeV)"),
                          ("cp", "context (zigzag ring attention)")):
         add(f"--{dim}", type=int, default=1, help=f"The {meaning}-parallel size; the product of the four sizes "
@@ -231,6 +234,8 @@ def check_args(args):
     require(args.schedule in SCHEDULES, f"unknown --schedule '{args.schedule}'; valid: {', '.join(SCHEDULES)}")
     require(args.balance in (None, *BALANCE_MODES), f"unknown --balance '{args.balance}'; valid: {', '.join(BALANCE_MODES)}")
     require(args.peak_tflops is None or args.peak_tflops > 0, f"--peak-tflops={args.peak_tflops} must be > 0")
+    require(args.capacity_factor is None or args.capacity_factor > 0,
+            f"--capacity-factor={args.capacity_factor} must be > 0 (leave it out: dropless)")
     require(args.eval_every >= 0, f"--eval-every={args.eval_every} must be >= 0 (0: no evaluation)")
     require(args.dist_timeout > 0, f"--dist-timeout={args.dist_timeout} must be > 0 (seconds)")
     require(args.save_every >= 0, f"--save-every={args.save_every} must be >= 0 (0: no checkpoints)")

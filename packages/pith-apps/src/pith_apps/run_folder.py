@@ -19,9 +19,14 @@ import uuid
 import warnings
 from pathlib import Path
 
-from pith_apps.config import ConfigError, require, write_problem
+import torch
+import torch.distributed as dist
+
+from pith_apps.config import ConfigError, NonFinite, require, write_problem
 from pith_engine import checkpoint
-from pith_engine.checkpoint import KEEP, size_text
+from pith_engine.checkpoint import KEEP, size_text, training_state
+from pith_engine.data_parallel import local_part
+from pith_engine.parallel import Parallel
 
 SPIKE = 1.2   # a checkpoint saved at a loss over this many times the lowest saved before it: the loss had risen
 
@@ -236,3 +241,34 @@ class LossWatch:
             return f"the loss {loss:.4g} is no better than guessing uniformly among the model's {vocab_size} tokens " \
                    f"({uniform:.4g}), after it had risen: the weights it resumed from no longer learn; nothing was saved"
         return None
+
+
+def checkpoint_bytes(model, optimizer, parallel: Parallel) -> tuple[int, int]:
+    """About what one checkpoint takes, and the model's count of weights: the tensors a checkpoint holds
+    (checkpoint.training_state: the fp32 weights and the optimizer's state, AdamW's two moments of a parameter or
+    Muon's one momentum), each element once (HSDP's replicas hold copies). Makes the optimizer's state now, the
+    zeros its first step would make, as a resume's load does."""
+    mine = [sum(local_part(t).nbytes for t in training_state(model, optimizer).values()),
+            sum(local_part(p).numel() for p in model.parameters())]
+    sizes = torch.tensor(mine, dtype=torch.float64, device=next(model.parameters()).device)   # NCCL's: on the GPU
+    if parallel.world > 1:
+        dist.all_reduce(sizes)
+    return tuple(int(n) // parallel.dp_replicate for n in sizes.tolist())
+
+
+def require_finite_weights(model, parallel: Parallel, number: int):
+    """Before a save. A step whose gradient norm is not finite is skipped, and AdamW moves a weight by about lr
+    at most, so only a fault (bad memory, a bug, a weight written by other code) gets here: checked at saves
+    only, as it reads every weight."""
+    total = torch.stack(torch._foreach_norm([local_part(p.detach()) for p in model.parameters()])).sum()
+    if parallel.world > 1:
+        dist.all_reduce(total)
+    if not math.isfinite(total.item()):
+        raise NonFinite(f"step {number}: the weights became non-finite; nothing of it was saved", number)
+
+
+def save(folder, step: int, model, optimizer, meta: dict, size: int):
+    try:
+        checkpoint.save(folder.checkpoints, step, model, optimizer, meta, size)
+    except checkpoint.CheckpointError as err:
+        raise ConfigError(str(err)) from None

@@ -2,7 +2,7 @@
 processes `torchrun --nproc-per-node N -m pith_apps.train qwen3 --ep 2 ...` with the same flags.
 
 Reads a model config (a preset or a config.json), builds the model for this rank's share of the layout,
-streams batches from a text dataset (each data rank reads its share of every global batch), and trains
+streams batches from a text dataset (every rank reads the whole global batch and takes its rows), and trains
 with AdamW or Muon, showing a progress bar, writing TensorBoard scalars to <out>/tb and atomic distributed
 checkpoints to <out>/checkpoints that --resume continues from, under the same or another layout.
 """
@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from pith_apps.config import ConfigError, flops_per_token, read_json, require
+from pith_apps.config import ConfigError, NonFinite, flops_per_token, read_json, require
 from pith_apps.data import (ByteTokenizer, HFTokenizer, batch_at, document_ids, held_out_batch, split_held_out,
                             token_store)
 from pith_apps.models.layers import hidden_matrices, use_fp8
@@ -35,9 +35,9 @@ from pith_engine.context_parallel import zigzag_part
 from pith_engine.contract import check_model, moe_layers
 from pith_engine.cuda_graph import CaptureError, StepGraph
 from pith_engine.dualpipev import Pipeline, chunk_layers, held_layers, schedule
-from pith_engine.data_parallel import (drop_compute_copies, grad_norm, keep_compute_copies, local_part,
+from pith_engine.data_parallel import (drop_compute_copies, grad_norm, keep_compute_copies,
                                        pair_expert_wgrads, release_forward_weights, shard_model)
-from pith_engine.moe import update_expert_bias
+from pith_engine.moe import LoadBalance, update_expert_bias
 from pith_engine.muon import muon
 from pith_engine.optim import adamw, clipped_step, lr_at
 from pith_engine.parallel import LayoutError, Parallel, timed_out_line
@@ -181,17 +181,20 @@ def check_layout(args, parallel: Parallel):
 
 
 def build_model(model_cls, cfg, parallel: Parallel, device: torch.device, dtype: torch.dtype, seed: int,
-                seq_len: int, balance: str | None = None, micro_batches: int = 1, held: list[int] | None = None):
+                seq_len: int, balance: str | None = None, micro_batches: int = 1, held: list[int] | None = None,
+                capacity_factor: float | None = None):
     """The model for this rank's share of the layout, computing in dtype with fp32 master weights: built on the
     meta device (only the `held` layers: a pipeline rank's), checked against the layout, sharded, then
     materialized on `device` and initialized there, so a rank allocates only what it holds (plus one full tensor
-    at a time while drawing it), nothing on the host."""
+    at a time while drawing it), nothing on the host. capacity_factor: each LoadBalance's (None: dropless)."""
     with torch.device("meta"):
         model = model_cls(cfg, parallel, **({"balance": balance} if balance else {}), micro_batches=micro_batches,
                           held_layers=held)
     check_model(model)
     moe = moe_layers(model)
     require(moe, f"all {cfg.num_hidden_layers} layers of the model are dense, none MoE; raise --layers")
+    for balance in (m for m in model.modules() if isinstance(m, LoadBalance)):
+        balance.capacity_factor = capacity_factor
     parallel.check_model(cfg.num_hidden_layers, moe[0].num_experts, seq_len)
     shard_model(model, parallel, param_dtype=dtype)
     if parallel.world == 1 and micro_batches > 1:
@@ -209,7 +212,8 @@ def one_process_step(args):
     parallel, device = layout(args)
     require(parallel.world == 1, f"one process only here, not {parallel.world}: leave out --dp, --ep, --pp and --cp")
     model = build_model(MODELS[args.model][1], model_config(args), parallel, device, compute_dtype(args, device),
-                        args.seed, args.seq_len, args.balance, micro_batches_per_rank(args, parallel))
+                        args.seed, args.seq_len, args.balance, micro_batches_per_rank(args, parallel),
+                        capacity_factor=args.capacity_factor)
     optimizer, graph = prepare_step(args, parallel, device, model)
 
     def step(number: int, input_ids, labels):
@@ -272,14 +276,14 @@ def train_on(args, cfg, parallel: Parallel, device: torch.device, data, folder, 
                               args.chunk_layers and [int(n) for n in args.chunk_layers.split(",")])
         held = held_layers(chunks, parallel.coords["pp"])
     model = build_model(MODELS[args.model][1], cfg, parallel, device, dtype, args.seed, args.seq_len, args.balance,
-                        micro_batches, held)
+                        micro_batches, held, args.capacity_factor)
     if parallel.pp > 1:
         pipeline = Pipeline(model, parallel, dtype, chunks, defer_wgrad=True,
                             overlap=parallel.ep > 1 and args.overlap is not False)   # --no-overlap: one side at a time
     if args.init and not resume_from:   # a resumed run's weights come from its checkpoint
         init_from_hf(args, model)
     optimizer, graph = prepare_step(args, parallel, device, model)
-    from pith_apps.run_folder import LossWatch
+    from pith_apps.run_folder import LossWatch, checkpoint_bytes, require_finite_weights, save
     batches = batch_settings(args, stream, held_out)
     resumed = restore(args, resume_from, model, optimizer, cfg, batches, folder, parallel) if resume_from else None
     start, watch = resumed["step"] if resumed else 0, LossWatch(resumed)
@@ -295,7 +299,6 @@ def train_on(args, cfg, parallel: Parallel, device: torch.device, data, folder, 
     losses, speeds, evals = [], [], []
     progress = make_progress(start, args) if lead else lambda loss, tokens_per_s, held_out: None
     hf_config, peak = hf_config_data(args), args.peak_tflops or peak_tflops(device)
-    flops = flops_per_token(hf_config, args.seq_len)   # per token of training, for the MFU
     saved_meta = dict(run=run_id, config=config_dict(cfg), layout=dict(pp=parallel.pp, dp=parallel.dp, cp=parallel.cp, ep=parallel.ep,
                                                                        dp_replicate=parallel.dp_replicate),
                       model=args.model, hf_config=hf_config, tokenizer=args.tokenizer, batches=batches,
@@ -316,7 +319,10 @@ def train_on(args, cfg, parallel: Parallel, device: torch.device, data, folder, 
             losses.append(loss_value)
             speeds.append(tokens_per_s)
             scalars = dict(loss=loss_value, lr=lr, grad_norm=norm, tokens_per_s=tokens_per_s)
+            if routing is not None:   # the slots routed (not absent) per token, mean over MoE layers
+                scalars["experts_per_token"] = routing[0].sum(1).mean().item() / (args.batch_size * args.seq_len)
             if peak:   # tokens_per_s is the global batch's: each process's share against one GPU's peak
+                flops = flops_per_token(hf_config, args.seq_len, scalars.get("experts_per_token"))
                 scalars["mfu_pct"] = 100 * tokens_per_s / parallel.world * flops / (peak * 1e12)
             if device.type == "cuda":
                 scalars["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
@@ -463,8 +469,11 @@ def init_from_hf(args, model):
     its shards hold, or of a checkpoint of the app the entries they need."""
     from pith_engine import checkpoint
     if not init_checkpoint(args):
-        from pith_apps.hf_checkpoint import load_hf_weights
-        return load_hf_weights(model, args.init)
+        from pith_apps.hf_checkpoint import absent_line, load_hf_weights
+        absent = load_hf_weights(model, args.init)
+        if absent and model.parallel.rank == 0:   # tensors the files lack and may: kept as initialized
+            print(absent_line(absent, args.init))
+        return
     try:
         checkpoint.load_weights(args.init, model)
     except checkpoint.CheckpointError as err:
@@ -483,48 +492,6 @@ def export_hf(args, parallel: Parallel, model, dtype: torch.dtype):
                           "checkpoints are intact") from None
     if parallel.rank == 0:
         print(f"exported the model to {args.export_hf}")
-
-
-def checkpoint_bytes(model, optimizer, parallel: Parallel) -> tuple[int, int]:
-    """About what one checkpoint takes, and the model's count of weights: the tensors a checkpoint holds
-    (checkpoint.training_state: the fp32 weights and the optimizer's state, AdamW's two moments of a parameter or
-    Muon's one momentum), each element once (HSDP's replicas hold copies). Makes the optimizer's state now, the
-    zeros its first step would make, as a resume's load does."""
-    from pith_engine.checkpoint import training_state
-    mine = [sum(local_part(t).nbytes for t in training_state(model, optimizer).values()),
-            sum(local_part(p).numel() for p in model.parameters())]
-    sizes = torch.tensor(mine, dtype=torch.float64, device=next(model.parameters()).device)   # NCCL's: on the GPU
-    if parallel.world > 1:
-        dist.all_reduce(sizes)
-    return tuple(int(n) // parallel.dp_replicate for n in sizes.tolist())
-
-
-class NonFinite(ConfigError):
-    """The loss, gradients or weights became non-finite, or the model dead; train() adds where to continue from
-    (RunFolder.way_back): a checkpoint from before step `before`, those from it on holding the weights that failed."""
-
-    def __init__(self, line: str, before: int):
-        super().__init__(line)
-        self.before = before
-
-
-def require_finite_weights(model, parallel: Parallel, number: int):
-    """Before a save. A step whose gradient norm is not finite is skipped, and AdamW moves a weight by about lr
-    at most, so only a fault (bad memory, a bug, a weight written by other code) gets here: checked at saves
-    only, as it reads every weight."""
-    total = torch.stack(torch._foreach_norm([local_part(p.detach()) for p in model.parameters()])).sum()
-    if parallel.world > 1:
-        dist.all_reduce(total)
-    if not math.isfinite(total.item()):
-        raise NonFinite(f"step {number}: the weights became non-finite; nothing of it was saved", number)
-
-
-def save(folder, step: int, model, optimizer, meta: dict, size: int):
-    from pith_engine import checkpoint
-    try:
-        checkpoint.save(folder.checkpoints, step, model, optimizer, meta, size)
-    except checkpoint.CheckpointError as err:
-        raise ConfigError(str(err)) from None
 
 
 def batch_settings(args, stream, held_out) -> dict:

@@ -7,6 +7,7 @@ the single-process reference that every parallel and pipelined schedule is compa
 Each all-to-all goes through `exchange`: while a pipeline's overlapped pair runs (`comm_turns`, set by
 pith_engine.dualpipev), the other micro-batch's computation runs while it is in flight.
 """
+import math
 from dataclasses import dataclass
 
 import torch
@@ -21,9 +22,11 @@ from pith_ops.token_permute import (combine_tokens, count_per_expert, dedup_by_r
 
 @dataclass
 class Routing:
-    """The router's decision for a flat batch of tokens."""
+    """The router's decision for a flat batch of tokens: top_k slots a token, each an expert id or -1, absent (no
+    expert: a router that picks fewer than top_k for some tokens, a slot over its expert's capacity). An absent
+    slot costs nothing past the router: it is not sent, computed, counted in loads or aux losses, or combined."""
     expert_ids: torch.Tensor   # [tokens, top_k] int64
-    weights: torch.Tensor      # [tokens, top_k], the routing weight of each chosen expert
+    weights: torch.Tensor      # [tokens, top_k], the routing weight of each chosen expert (an absent slot's unread)
 
 
 @dataclass
@@ -49,7 +52,8 @@ class Exchange:
 def dispatch(tokens: torch.Tensor, routing: Routing, num_experts: int, group=None) -> tuple[torch.Tensor, DispatchPlan]:
     """Stage 2: tokens [tokens, hidden] -> one row per (token, local expert) slot, grouped by expert. With an
     expert-parallel group, expert e lives on group rank e // (num_experts / ranks) and each token travels
-    once to each rank that holds any of its experts (dropless; the rows sent are (token, rank) pairs)."""
+    once to each rank that holds any of its experts (the rows sent are (token, rank) pairs; absent slots, -1, go
+    nowhere). On one process the rows are every slot's, absent ones last and never read: a size the host knows."""
     rows, plan = send_rows(tokens, routing, num_experts, group)
     return dispatch_tokens(rows, plan.order, plan.inverse, plan.top_k), plan
 
@@ -135,7 +139,11 @@ class LoadBalance(nn.Module):
       a data rank's micro-batch and a sequence are the same units as on one process. Each rank attaches its
       share, so the gradients summed over data ranks and micro-batches are those of the step's loss.
     - "aux_free": no loss; a per-expert bias added to the scores steers which experts are chosen (not their
-      weights) and moves by bias_rate toward the mean load after every optimizer step (DeepSeek-V3)."""
+      weights) and moves by bias_rate toward the mean load after every optimizer step (DeepSeek-V3).
+    capacity_factor (the app's --capacity-factor; None: dropless): each expert takes at most
+    ceil(factor * slots / experts) of the slots a rank routes in a micro-batch (drop_over_capacity); the rest are
+    absent. Loads and the aux loss count the slots kept."""
+    capacity_factor = None
 
     def __init__(self, num_experts: int, mode: str, coef: float, scale: float, data_group=None, bias_rate: float = 1e-3,
                  micro_batches: int = 1, context_group=None):
@@ -170,12 +178,17 @@ class LoadBalance(nn.Module):
         else:
             expert_ids = (candidates + self.expert_bias).topk(top_k, dim=-1).indices
             chosen = scores.gather(-1, expert_ids)
-        if torch.is_grad_enabled() and not self.replaying:   # a training forward (not an evaluation or a recompute)
-            self.expert_load += count_per_expert(expert_ids, self.num_experts)
+        if self.capacity_factor is not None:
+            capacity = math.ceil(self.capacity_factor * expert_ids.numel() / self.num_experts)
+            expert_ids = drop_over_capacity(expert_ids, self.num_experts, capacity)
         return expert_ids, chosen
 
     def attach_loss(self, hidden: torch.Tensor, probs: torch.Tensor, expert_ids: torch.Tensor, sequences: int):
-        """hidden, carrying this rank's share of the aux loss into the backward (probs [tokens, E] fp32)."""
+        """hidden, carrying this rank's share of the aux loss into the backward (probs [tokens, E] fp32); the slots
+        of expert_ids, the layer's final routing (a variant's slots made absent after select, left out), counted
+        into expert_load."""
+        if torch.is_grad_enabled() and not self.replaying:   # a training forward (not an evaluation or a recompute)
+            self.expert_load += count_per_expert(expert_ids, self.num_experts)
         if self.mode == "aux_free" or self.coef == 0:
             return hidden
         share = self.coef * self.scale * self.loss_share(probs, expert_ids, sequences)
@@ -188,8 +201,9 @@ class LoadBalance(nn.Module):
         units of the step."""
         units = sequences if self.mode == "sequence" else 1
         ids = expert_ids.reshape(units, -1)
-        counts = torch.zeros(units, self.num_experts, device=probs.device).scatter_add_(
-            1, ids, torch.ones(ids.shape, device=probs.device))
+        ids = torch.where(ids >= 0, ids, self.num_experts)   # absent slots in a column of their own, dropped
+        counts = torch.zeros(units, self.num_experts + 1, device=probs.device).scatter_add_(
+            1, ids, torch.ones(ids.shape, device=probs.device))[:, :-1]
         tokens = probs.shape[0] // units
         prob_sums = probs.reshape(units, tokens, -1).sum(1)
         if self.context_group is not None and self.mode != "global_batch":   # a unit's tokens are on all its cp ranks
@@ -207,6 +221,16 @@ class LoadBalance(nn.Module):
     def move_bias(self, loads: torch.Tensor):
         """aux_free, after an optimizer step: each expert's bias moves by bias_rate toward the mean load."""
         self.expert_bias += self.bias_rate * torch.sign(loads.mean() - loads)
+
+
+def drop_over_capacity(expert_ids: torch.Tensor, num_experts: int, capacity: int) -> torch.Tensor:
+    """expert_ids [tokens, top_k] with each expert's slots past its first `capacity` made absent (-1): the tokens'
+    first choices in token order come first, then their second choices, and so on (GShard's priority). On the
+    device, no host sync: a slot's place among its expert's slots is a running count of one-hot rows."""
+    by_choice = expert_ids.T.reshape(-1)
+    onehot = by_choice[:, None] == torch.arange(num_experts, device=by_choice.device)   # (F.one_hot reads its max)
+    place = (onehot.cumsum(0) * onehot).sum(1)   # 1 for an expert's first slot, 0 for an absent one
+    return torch.where(place <= capacity, by_choice, -1).view(expert_ids.shape[1], -1).T.contiguous()
 
 
 @torch.no_grad()

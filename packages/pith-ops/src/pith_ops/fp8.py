@@ -434,8 +434,8 @@ def fp8_grouped_rows(a: torch.Tensor, weight_blocks: tuple, offs, kernel: bool, 
     (a_q, a_scales), (w_q, w_scales) = _rows(a, kernel), weight_blocks
     if not kernel:
         counts = torch.diff(offs, prepend=offs.new_zeros(1))
-        return grouped_linear_reference(dequantize(a_q, a_scales, 1), dequantize(w_q, w_scales, BLOCK),
-                                        counts).to(a.dtype)
+        out = grouped_linear_reference(dequantize(a_q, a_scales, 1), dequantize(w_q, w_scales, BLOCK), counts)
+        return torch.cat([out, out.new_zeros(a.shape[0] - out.shape[0], out.shape[1])]).to(a.dtype)   # absent rows
     launch = FP8_LAUNCH | launch
     tile_expert, tile_first, max_tiles = row_tiles(offs, a.shape[0], launch["BM"])
     out = a.new_empty(a.shape[0], w_q.shape[1])

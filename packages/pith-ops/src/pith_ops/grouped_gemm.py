@@ -1,7 +1,8 @@
 """Expert GEMMs over tokens sorted by expert: one matmul per expert, launched as one grouped GEMM.
 
 Rows offs[e-1]:offs[e] of the input belong to expert e (offs = running sum of tokens_per_expert), so
-experts without tokens cost nothing and nothing waits for the host. Torch's grouped_mm runs where it
+experts without tokens cost nothing and nothing waits for the host. Rows past offs[-1] (absent slots, which a
+fixed-size buffer holds after the experts' rows) are neither read nor written: their outputs are undefined. Torch's grouped_mm runs where it
 has a kernel (CPU, and CUDA from Hopper on); elsewhere the Triton kernels below run.
 
 The backward computes the input gradient (dgrad) and the weight gradient (wgrad) separately. Given a
@@ -18,8 +19,9 @@ import triton.language as tl
 
 
 def grouped_linear_reference(x, weight, tokens_per_expert):
-    rows = torch.split(x, tokens_per_expert.tolist())
-    return torch.cat([r @ w.T for r, w in zip(rows, weight)]) if x.shape[0] else x.new_empty(0, weight.shape[1])
+    """Rows past the experts' ranges (absent slots) left out."""
+    rows = torch.split(x[:int(tokens_per_expert.sum())], tokens_per_expert.tolist())
+    return torch.cat([r @ w.T for r, w in zip(rows, weight)]) if rows else x.new_empty(0, weight.shape[1])
 
 
 @triton.jit
@@ -348,22 +350,23 @@ class _GroupedBias(torch.autograd.Function):
     def forward(ctx, x, bias, tokens_per_expert, use_kernel):
         ctx.save_for_backward(tokens_per_expert)
         ctx.use_kernel = use_kernel
-        expert_of_row = torch.repeat_interleave(torch.arange(bias.shape[0], device=x.device), tokens_per_expert,
-                                                output_size=x.shape[0])
-        return x + bias.index_select(0, expert_of_row)
+        # rows past the experts' ranges (absent slots: undefined, never read) take the last expert's bias
+        ends = torch.cumsum(tokens_per_expert, 0)
+        expert_of_row = torch.searchsorted(ends, torch.arange(x.shape[0], device=x.device), right=True)
+        return x + bias.index_select(0, expert_of_row.clamp_(max=bias.shape[0] - 1))
 
     @staticmethod
     def backward(ctx, grad):
         (tokens_per_expert,) = ctx.saved_tensors
         grad = grad.contiguous()
         if not ctx.use_kernel:
-            segments = torch.split(grad.float(), tokens_per_expert.tolist())
+            segments = torch.split(grad[:int(tokens_per_expert.sum())].float(), tokens_per_expert.tolist())
             return grad, torch.stack([s.sum(0) for s in segments]).to(grad.dtype), None, None
         return grad, segment_sum(grad, tokens_per_expert), None, None
 
 
 def grouped_bias_add(x: torch.Tensor, bias: torch.Tensor, tokens_per_expert: torch.Tensor,
                      use_kernel: bool | None = None) -> torch.Tensor:
-    """x [tokens, out] sorted by expert + bias [experts, out] of each row's expert. The bias gradient is a
-    per-expert sum over contiguous rows (Triton on CUDA, no atomics)."""
+    """x [rows, out] sorted by expert + bias [experts, out] of each row's expert (rows past the experts' ranges: not
+    defined). The bias gradient is a per-expert sum over contiguous rows (Triton on CUDA, no atomics)."""
     return _GroupedBias.apply(x, bias, tokens_per_expert, x.is_cuda if use_kernel is None else use_kernel)

@@ -16,21 +16,21 @@ def sort_by_expert(expert_ids: torch.Tensor, num_experts: int, present: int | No
     """expert_ids [tokens, top_k] -> (order [slots], inverse [slots], tokens_per_expert [E]): a stable sort, so
     each expert's slots keep token order.
 
-    With `present` (the number of ids >= 0, known to the caller without a device sync), ids of -1 mark
-    absent slots: they are left out of order and get inverse -1, which the gather-sum kernels skip.
-    On CUDA (or with use_kernel) two Triton kernels sort by counting; elsewhere torch's argsort does."""
+    An id of -1 marks an absent slot (no expert): it gets inverse -1, which the gather-sum kernels skip, and sorts
+    after every expert's slots, so rows past sum(tokens_per_expert) of the sorted order are absent ones, which no
+    kernel reads (the grouped GEMMs leave them undefined). With `present` (the number of ids >= 0, known to the
+    caller without a device sync) order stops there; without, it keeps every slot, a fixed size the host need not
+    know. On CUDA (or with use_kernel) two Triton kernels sort by counting; elsewhere torch's argsort does."""
     flat = expert_ids.flatten()
     if use_kernel if use_kernel is not None else flat.is_cuda:
-        return _counting_sort(flat, num_experts, flat.numel() if present is None else present)
-    if present is None:
-        order = torch.argsort(flat, stable=True)
+        order, inverse, tokens_per_expert = _counting_sort(flat, num_experts)
+    else:
+        order = torch.argsort(torch.where(flat >= 0, flat, num_experts), stable=True)
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
-        return order, inverse, count_per_expert(flat, num_experts)
-    order = torch.argsort(torch.where(flat >= 0, flat, num_experts), stable=True)[:present]
-    inverse = torch.full_like(flat, -1)
-    inverse[order] = torch.arange(present, device=order.device)
-    return order, inverse, count_per_expert(flat[order], num_experts)
+        inverse = torch.where(flat >= 0, inverse, -1)
+        tokens_per_expert = count_per_expert(flat, num_experts)
+    return (order if present is None else order[:present]), inverse, tokens_per_expert
 
 
 @triton.jit
@@ -69,11 +69,11 @@ def _place_kernel(ids_ptr, counts_ptr, order_ptr, inverse_ptr, per_expert_ptr, s
     expert, slot = keys // BLOCK, block * BLOCK + keys % BLOCK
     position = tl.gather(start, expert, 0) + local
     placed = expert < num_experts
-    tl.store(order_ptr + position, slot.to(tl.int64), mask=placed)
+    tl.store(order_ptr + position, slot.to(tl.int64), mask=slot < slots)   # absent slots too: after every expert's
     tl.store(inverse_ptr + slot, tl.where(placed, position, -1).to(tl.int64), mask=slot < slots)
 
 
-def _counting_sort(flat: torch.Tensor, num_experts: int, present: int, block: int = 1024):
+def _counting_sort(flat: torch.Tensor, num_experts: int, block: int = 1024):
     """sort_by_expert in two launches, where torch's argsort path takes about 27 (cub's radix sort alone 22)."""
     slots, bins = flat.numel(), triton.next_power_of_2(num_experts + 1)
     blocks = triton.cdiv(slots, block)
@@ -87,20 +87,23 @@ def _counting_sort(flat: torch.Tensor, num_experts: int, present: int, block: in
                                  BINS=bins, BLOCK=block, ROWS=32)
     else:
         tokens_per_expert.zero_()
-    return order[:present], inverse, tokens_per_expert
+    return order, inverse, tokens_per_expert
 
 
 def count_per_expert(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """How many entries name each expert; a scatter-add, because bincount on CUDA waits for the host."""
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=expert_ids.device)
-    return counts.scatter_add_(0, expert_ids.flatten(), torch.ones_like(expert_ids.flatten()))
+    """How many entries name each expert (-1, absent, none); a scatter-add, because bincount on CUDA waits for the
+    host."""
+    flat = expert_ids.flatten()
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=expert_ids.device)
+    return counts.scatter_add_(0, torch.where(flat >= 0, flat, num_experts), torch.ones_like(flat))[:num_experts]
 
 
 def ranks_of_tokens(expert_ids: torch.Tensor, experts_per_rank: int, num_ranks: int) -> torch.Tensor:
     """[tokens, num_ranks] bool: whether any of the token's experts lives on the rank (expert e on rank
-    e // experts_per_rank). Its column sums count the (token, rank) pairs per rank without waiting for the host."""
-    goes_to = torch.zeros(expert_ids.shape[0], num_ranks, dtype=torch.bool, device=expert_ids.device)
-    return goes_to.scatter_(1, expert_ids // experts_per_rank, True)
+    e // experts_per_rank; an absent slot, -1, on none). Its column sums count the (token, rank) pairs per rank
+    without waiting for the host."""
+    goes_to = torch.zeros(expert_ids.shape[0], num_ranks + 1, dtype=torch.bool, device=expert_ids.device)
+    return goes_to.scatter_(1, torch.where(expert_ids >= 0, expert_ids // experts_per_rank, num_ranks), True)[:, :-1]
 
 
 def dedup_by_rank(expert_ids: torch.Tensor, experts_per_rank: int, goes_to: torch.Tensor, pairs: int):
@@ -148,19 +151,21 @@ def _sum_slots_kernel(src_ptr, inverse_ptr, weights_ptr, out_ptr, hidden,
 
 
 @triton.jit
-def _combine_backward_kernel(grad_out_ptr, expert_out_ptr, order_ptr, weights_ptr, grad_expert_out_ptr,
+def _combine_backward_kernel(grad_out_ptr, expert_out_ptr, order_ptr, inverse_ptr, weights_ptr, grad_expert_out_ptr,
                              grad_weights_ptr, hidden, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
     """For expert-order row i of slot s = order[i]: d expert_out[i] = w[s] * g[s // TOP_K] and
-    d w[s] = <g[s // TOP_K], expert_out[i]>."""
+    d w[s] = <g[s // TOP_K], expert_out[i]>; a row of an absent slot (inverse[s] != i) gets zeros, its (undefined)
+    values unread."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     slot = tl.load(order_ptr + row)
-    grad = tl.load(grad_out_ptr + (slot // TOP_K) * hidden + cols, mask=cols < hidden, other=0.0).to(tl.float32)
-    values = tl.load(expert_out_ptr + row * hidden + cols, mask=cols < hidden, other=0.0).to(tl.float32)
+    width = tl.where(tl.load(inverse_ptr + slot) == row, hidden, 0)   # (block & scalar masks: see _sum_slots_kernel)
+    grad = tl.load(grad_out_ptr + (slot // TOP_K) * hidden + cols, mask=cols < width, other=0.0).to(tl.float32)
+    values = tl.load(expert_out_ptr + row * hidden + cols, mask=cols < width, other=0.0).to(tl.float32)
     weight = tl.load(weights_ptr + slot).to(tl.float32)
     tl.store(grad_expert_out_ptr + row * hidden + cols,
              (weight * grad).to(grad_expert_out_ptr.dtype.element_ty), mask=cols < hidden)
-    tl.store(grad_weights_ptr + slot, tl.sum(grad * values).to(grad_weights_ptr.dtype.element_ty))
+    tl.store(grad_weights_ptr + slot, tl.sum(grad * values).to(grad_weights_ptr.dtype.element_ty), mask=width > 0)
 
 
 def _launch(kernel, rows: int, hidden: int, *args, **constants):
@@ -200,12 +205,12 @@ def _combine(expert_out: torch.Tensor, weights: torch.Tensor, order: torch.Tenso
     return _sum_slots(expert_out, inverse, top_k, weights)
 
 
-def _combine_backward(grad: torch.Tensor, expert_out: torch.Tensor, order: torch.Tensor, weights: torch.Tensor,
-                      top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _combine_backward(grad: torch.Tensor, expert_out: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor,
+                      weights: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     expert_out, weights = expert_out.contiguous(), weights.contiguous()
     grad_expert_out, grad_weights = torch.empty_like(expert_out), torch.zeros_like(weights)   # absent slots: 0
     _launch(_combine_backward_kernel, order.numel(), expert_out.shape[1], grad.contiguous(), expert_out, order,
-            weights, grad_expert_out, grad_weights, TOP_K=top_k)
+            inverse, weights, grad_expert_out, grad_weights, TOP_K=top_k)
     return grad_expert_out, grad_weights
 
 
@@ -230,7 +235,7 @@ def _(expert_out, weights, order, inverse, top_k):
 
 
 @combine_backward_op.register_fake
-def _(grad, expert_out, order, weights, top_k):
+def _(grad, expert_out, order, inverse, weights, top_k):
     return torch.empty_like(expert_out), torch.empty_like(weights)
 
 
@@ -245,13 +250,13 @@ def _dispatch_op_backward(ctx, grad):
 
 def _save_combine(ctx, inputs, output):
     expert_out, weights, order, inverse, top_k = inputs
-    ctx.save_for_backward(expert_out, weights, order)
+    ctx.save_for_backward(expert_out, weights, order, inverse)
     ctx.top_k = top_k
 
 
 def _combine_op_backward(ctx, grad):
-    expert_out, weights, order = ctx.saved_tensors
-    grad_expert_out, grad_weights = combine_backward_op(grad, expert_out, order, weights, ctx.top_k)
+    expert_out, weights, order, inverse = ctx.saved_tensors
+    grad_expert_out, grad_weights = combine_backward_op(grad, expert_out, order, inverse, weights, ctx.top_k)
     return grad_expert_out, grad_weights, None, None, None
 
 
@@ -280,34 +285,39 @@ class _Combine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, expert_out, weights, order, inverse, top_k):
         # the rows only for the weights' gradient: constant weights (expert parallelism's sum over ranks) keep none
-        ctx.save_for_backward(expert_out if ctx.needs_input_grad[1] else None, weights, order)
+        ctx.save_for_backward(expert_out if ctx.needs_input_grad[1] else None, weights, order, inverse)
         ctx.top_k = top_k
         return _combine(expert_out, weights, order, inverse, top_k)
 
     @staticmethod
     def backward(ctx, grad):
-        expert_out, weights, order = ctx.saved_tensors
-        if expert_out is None:   # each row's token's gradient times its weight
-            rows = _gather(grad, order, order, ctx.top_k) * weights.flatten()[order].unsqueeze(-1)
+        expert_out, weights, order, inverse = ctx.saved_tensors
+        if expert_out is None:   # each row's token's gradient times its weight (0 for an absent slot's row)
+            here = inverse[order] == torch.arange(order.numel(), device=order.device)
+            rows = _gather(grad, order, order, ctx.top_k) * torch.where(here, weights.flatten()[order], 0).unsqueeze(-1)
             return rows.to(grad.dtype), None, None, None, None
-        return *_combine_backward(grad, expert_out, order, weights, ctx.top_k), None, None, None
+        return *_combine_backward(grad, expert_out, order, inverse, weights, ctx.top_k), None, None, None
 
 
-def dispatch_reference(x, order, top_k):
-    return x.index_select(0, order // top_k)
+def dispatch_reference(x, order, inverse, top_k):
+    """The rows of absent slots zeros, so that no gradient goes back through them."""
+    here = inverse[order] == torch.arange(order.numel(), device=order.device)
+    return torch.where(here.unsqueeze(-1), x.index_select(0, order // top_k), 0)
 
 
 def combine_reference(expert_out, weights, inverse, top_k):
+    """The rows of absent slots unread: torch.where, as undefined values times 0 could be NaN."""
     slots = expert_out.index_select(0, inverse.clamp(min=0)).unflatten(0, (-1, top_k)).float()
-    weights = weights.float() * (inverse >= 0).view_as(weights)
-    return (slots * weights.unsqueeze(-1)).sum(1).to(expert_out.dtype)
+    slots = torch.where((inverse >= 0).view(*weights.shape, 1), slots * weights.float().unsqueeze(-1), 0)
+    return slots.sum(1).to(expert_out.dtype)
 
 
 def dispatch_tokens(x, order, inverse, top_k, use_kernel=None):
-    """x [tokens, hidden] -> [tokens * top_k, hidden], row i holding the token of slot order[i]."""
+    """x [tokens, hidden] -> [order's slots, hidden], row i holding the token of slot order[i] (the kernel: for an
+    absent slot too, its row never read; the reference: zeros)."""
     if use_kernel if use_kernel is not None else x.is_cuda:
         return (dispatch_op if torch.compiler.is_compiling() else _Dispatch.apply)(x, order, inverse, top_k)
-    return dispatch_reference(x, order, top_k)
+    return dispatch_reference(x, order, inverse, top_k)
 
 
 def combine_tokens(expert_out, weights, order, inverse, top_k, use_kernel=None):
