@@ -50,6 +50,7 @@ BY_TEST = {
     "skills/pith-ops/add-kernel/tests_template.py": "test_skill_scripts.py::test_the_kernel_template_passes_its_test_and_the_test_catches_a_wrong_kernel",
     "skills/pith-apps/add-new-model/parity_template.py": "test_skill_scripts.py::test_the_parity_template_passes_on_each_family_and_catches_a_wrong_model",
     "skills/pith-apps/add-routing-variant/routing_template.py": "test_skill_scripts.py::test_the_routing_template_passes_and_catches_a_wrong_router",
+    "skills/pith-apps/add-attention-variant/attention_template.py": "test_skill_scripts.py::test_the_attention_template_passes_and_catches_a_wrong_variant",
     "skills/pith-apps/estimate-memory/estimate_memory.py": "test_estimate_memory.py::test_the_skills_example_prints_what_its_skill_md_shows",
     "skills/pith-apps/plan-layout/plan_layout.py": "test_plan_layout.py::test_the_skills_example_prints_what_its_skill_md_shows",
 }

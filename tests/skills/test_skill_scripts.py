@@ -180,3 +180,20 @@ def test_the_routing_template_passes_and_catches_a_wrong_router():
     finally:
         wrong.unlink(missing_ok=True)
     assert broken.returncode == 1 and "1 failed" in broken.stdout, broken.stdout[-3000:]
+
+
+def test_the_attention_template_passes_and_catches_a_wrong_variant(tmp_path):
+    """The line of skills/pith-apps/add-attention-variant/SKILL.md runs the template: 4 passed (t = 0 against the
+    unmodified model, the hand case, training through the app, cp 2 against one process); a copy (in a scratch folder
+    that sees tests/) whose queries are scaled by 1 + t instead of exp(t) fails its hand case."""
+    env, argv = doc_command("skills/pith-apps/add-attention-variant/SKILL.md", "attention_template.py")
+    done = subprocess.run([*argv, "-p", "no:cacheprovider"], capture_output=True, text=True, cwd=ROOT,
+                          env=os.environ | env)
+    assert done.returncode == 0 and "4 passed" in done.stdout, done.stdout[-3000:]
+    copy = scratch_folder(tmp_path) / "copy/pith-apps/add-attention-variant/attention_wrong.py"   # tests/: parents[3]
+    copy.parent.mkdir(parents=True)
+    template = (ROOT / "skills/pith-apps/add-attention-variant/attention_template.py").read_text()
+    copy.write_text(template.replace("q * self.temperature.exp()", "q * (1 + self.temperature)"))
+    broken = subprocess.run([*argv[:-1], str(copy), "-k", "tiny_case", "-p", "no:cacheprovider"], capture_output=True,
+                            text=True, cwd=tmp_path, env=os.environ | env)
+    assert broken.returncode == 1 and "1 failed" in broken.stdout, broken.stdout[-3000:]

@@ -73,6 +73,7 @@ def hf_to_checkpoint(folder, out) -> Path:
     require(family is not None, f"'{config}' has model_type {data.get('model_type')!r}, which Pith does not train; "
             f"valid: {', '.join(FAMILY_OF)}")
     model = whole_model(family, data)
+    model.init_weights(0)   # what the files may lack (declared hf=False) keeps its declared start
     load_hf_weights(model, folder)
     own = Path(folder, "tokenizer.json")
     return checkpoint.save_weights(out, model, dict(model=family, hf_config=data,

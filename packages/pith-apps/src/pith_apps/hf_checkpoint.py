@@ -9,7 +9,9 @@ expert-parallel rank builds only its layers and experts, so it has no box of the
 (safetensors' lazy slices), one shard file at a time. Export has every process write its boxes straight into files
 whose layout all of them plan alike from the gathered boxes (`HfFolder`), so that no process holds more than its own
 part and one box; a part several processes hold (HSDP's replicas) is written once. GPT-OSS expert weights stored as
-MXFP4 (`<name>_blocks` + `<name>_scales`) are decoded to the view's dtype.
+MXFP4 (`<name>_blocks` + `<name>_scales`) are decoded to the view's dtype. A parameter its module declares absent from
+Hugging Face files (pith_apps.models.layers.declare, hf=False) may be missing from a folder (it keeps its start); an
+export writes it like any other.
 """
 import fnmatch
 import itertools
@@ -59,6 +61,7 @@ class Part:
     held: tuple
     rows: slice | None
     param: torch.Tensor
+    hf: bool = True   # False: the files may lack it (declared so: pith_apps.models.layers.declare)
 
 
 def held_parts(model: torch.nn.Module) -> list[Part]:
@@ -70,7 +73,8 @@ def held_parts(model: torch.nn.Module) -> list[Part]:
             if param is not None:
                 stand_in = torch.empty(param.shape, device="meta")   # a DTensor's shape is the whole tensor's
                 swapped.append((module, key, param, stand_in))
-                owner[id(stand_in)] = param
+                declared = getattr(module, "declared", {}).get(key)
+                owner[id(stand_in)] = param, declared is None or declared.hf
     for module, key, _, stand_in in swapped:
         module._parameters[key] = stand_in
     try:
@@ -80,9 +84,10 @@ def held_parts(model: torch.nn.Module) -> list[Part]:
             module._parameters[key] = param
     parts = []
     for name, view, *rows in views:
-        param = owner[id(view if view._base is None else view._base)]
+        param, hf = owner[id(view if view._base is None else view._base)]
         part = part_of(name, view, rows[0] if rows else None, param)
         if part is not None:
+            part.hf = hf
             parts.append(part)
     return parts
 
@@ -153,30 +158,44 @@ def text_model_names(files: dict[str, str]) -> dict[str, str]:
     return {("model." + name.removeprefix(prefix) if name.startswith(prefix) else name): name for name in files}
 
 
-def load_hf_weights(model: torch.nn.Module, model_dir: str | Path):
+def load_hf_weights(model: torch.nn.Module, model_dir: str | Path) -> list[str]:
     """Fill this process's part of every parameter of `model` (any layout) from the checkpoint in model_dir, one
     shard file at a time, reading only the boxes it holds. Every process of a group calls it; a ConfigError (a
-    missing, misshapen or damaged tensor) is raised on all of them."""
-    problem = None
+    missing, misshapen or damaged tensor) is raised on all of them. A tensor the files lack whose module declares it
+    may be absent (declare(hf=False)) keeps the values it holds (init_weights's): -> their names, of all processes."""
+    problem, absent = None, []
     try:
-        read_parts(model, Path(model_dir))
+        absent = read_parts(model, Path(model_dir))
     except ConfigError as err:
         problem = str(err)
     problem = agreed(problem)
     if problem:
         raise ConfigError(problem)
+    every = [absent]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, absent)
+    return sorted(set().union(*every), key=natural)
+
+
+def absent_line(names: list[str], model_dir) -> str:
+    """--init's line for the tensors model_dir lacks (load_hf_weights'), layer numbers as *."""
+    patterns = ", ".join(sorted({re.sub(r"\.\d+\.", ".*.", name) for name in names}, key=natural))
+    return f"--init: {len(names)} tensors are not in {model_dir}; they start as their modules declare: {patterns}"
 
 
 def read_parts(model: torch.nn.Module, model_dir: Path):
     files = weight_map(model_dir)
     stored = text_model_names(files)
     files = {name: files[stored[name]] for name in stored}
-    by_file = defaultdict(list)
+    by_file, absent = defaultdict(list), []
     for part in held_parts(model):
         if part.name in files:
             by_file[files[part.name]].append(part)
         elif f"{part.name}_blocks" in files and f"{part.name}_scales" in files:
             by_file[files[f"{part.name}_blocks"]].append(part)
+        elif not part.hf:
+            absent.append(part)
         else:
             raise ConfigError(f"checkpoint '{model_dir}' has no tensor '{part.name}' (expected shape {part.held})")
     written = defaultdict(int)
@@ -200,9 +219,11 @@ def read_parts(model: torch.nn.Module, model_dir: Path):
                         raise ConfigError(f"tensor '{part.name}' in '{model_dir / file}' holds non-finite values (NaN or "
                                           "inf); training from it would give a NaN loss")
                     written[id(part.param)] += part.target.numel()
+    skipped = {id(part.param) for part in absent}
     for name, param in model.named_parameters():
-        if written[id(param)] != local_numel(param):
+        if written[id(param)] != local_numel(param) and id(param) not in skipped:
             raise RuntimeError(f"{type(model).__name__}.hf_views() does not fill {name} once whole: a bug of its file")
+    return [part.name for part in absent]
 
 
 def local_numel(param: torch.Tensor) -> int:

@@ -5,8 +5,9 @@ dispatch / combine between them stay eager, because their shapes depend on the r
 a residual add, or DeepSeek's shared experts too) runs eagerly too: a compiled call cost the host 0.22 ms for
 Qwen3's one add kernel on the H200, where the forward left the GPU waiting for the host (bench/RESULTS.md).
 A dense layer (is_moe False) is compiled whole. fullgraph=True makes a graph break an error instead of a silent
-slowdown, except in a stage that says it calls a kernel dynamo skips (layer.fullgraph False: Qwen3.5's fla-core
-delta rule, which its package marks torch.compiler.disable); dynamic=False because sequence length and batch are
+slowdown, except in a layer that says it calls what dynamo cannot trace (layer.fullgraph False: Qwen3.5's fla-core
+delta rule, which its package marks torch.compiler.disable; FSDP2's hooks of a float32 parameter's own unit,
+pith_engine.data_parallel.shard); dynamic=False because sequence length and batch are
 fixed in training.
 Layers of one family share their compiled code: parameters are graph inputs, not constants.
 """
@@ -25,5 +26,5 @@ def compile_stages(model: MoeModel) -> MoeModel:
             layer.attention_stage = once_in_recompute(torch.compile(layer.attention_stage, fullgraph=layer.fullgraph,
                                                                     dynamic=False))
         else:
-            layer.compile(fullgraph=True, dynamic=False)
+            layer.compile(fullgraph=getattr(layer, "fullgraph", True), dynamic=False)
     return model

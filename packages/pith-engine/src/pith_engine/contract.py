@@ -2,9 +2,9 @@
 
 A family's top-level model is a `MoeModel`; each of its decoder layers (`model.layers`) is a `DenseLayer` or
 a `MoeLayer` (`is_moe` says which), and an MoE layer's `experts` module is an `ExpertStack`. Engine
-functions take these types and read nothing else of a model: no attribute path (`model.model.layers`,
-`mlp.experts`) and no parameter-name pattern. `check_model` says what a model lacks; tests/apps/test_contract.py
-runs it on each family.
+functions take these types and read nothing else of a model but which parameters a module declares to compute in
+float32 (`fp32_names`): no attribute path (`model.model.layers`, `mlp.experts`) and no parameter-name pattern.
+`check_model` says what a model lacks; tests/apps/test_contract.py runs it on each family.
 """
 from typing import Protocol
 
@@ -35,7 +35,8 @@ class MoeLayer(Protocol):
     is_moe: bool
     num_experts: int      # over all expert-parallel ranks
     experts: ExpertStack
-    fullgraph: bool       # torch.compile traces attention_stage whole (False: it calls a kernel dynamo must skip)
+    fullgraph: bool       # torch.compile traces attention_stage whole (False: it calls what dynamo must skip: a kernel,
+                          # or under FSDP the hooks of a float32 parameter's own unit, fp32_names)
 
     def attention_stage(self, x: torch.Tensor, *layer_args) -> tuple:
         """-> (hidden [batch, seq, hidden] after attention and its residual, tokens [batch * seq, hidden]
@@ -79,6 +80,14 @@ def expert_stacks(model: MoeModel) -> dict[str, ExpertStack]:
     """Each MoE layer's experts module by its module name in the model (its parameters' name prefix)."""
     stacks = {id(layer.experts) for layer in moe_layers(model)}
     return {name: module for name, module in model.named_modules() if id(module) in stacks}
+
+
+def fp32_names(module: nn.Module) -> list[str]:
+    """The names of module's own parameters that compute in float32 whatever the compute dtype: those its `declared`
+    dict (name -> a declaration with a bool `fp32`: pith_apps.models.layers.declare) marks so. Mixed precision
+    (pith_engine.data_parallel) keeps them out of its bf16 casts."""
+    return [name for name, declared in getattr(module, "declared", {}).items()
+            if declared.fp32 and module._parameters.get(name) is not None]
 
 
 def check_model(model) -> None:

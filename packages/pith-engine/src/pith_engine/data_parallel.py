@@ -4,7 +4,7 @@ Parameters are always fp32: the master copy the optimizer updates, with fp32 gra
 Compute runs in `param_dtype` (bf16): on several processes FSDP2 casts what it gathers; on one process
 each forward of the model reads every parameter through its bf16 copy (`ComputeCasts`, one copy per
 optimizer step), whose backward adds the gradient into the fp32 `.grad`. Either way a layer computes with
-the same bf16 weights.
+the same bf16 weights, and a parameter its module declares float32 (contract.fp32_names) in float32.
 
 Expert weights are sharded over dp x cp (expert-parallel ranks hold different experts); every other
 weight over dp x cp x ep (expert-parallel ranks read different data, so they are data-parallel for those
@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from pith_engine.contract import MoeModel, moe_layers
+from pith_engine.contract import MoeModel, fp32_names, moe_layers
 from pith_engine.parallel import Parallel
 from pith_ops.grouped_gemm import WgradPairs
 
@@ -35,8 +35,9 @@ def shard_model(model: MoeModel, parallel: Parallel, param_dtype: torch.dtype | 
     weights, an overlapped pair's forward and backward share no FSDP state, and each root lets its gathered weights
     go after its forward (FSDP2 keeps a root's for its backward otherwise: through every micro-batch in flight);
     within a chunk each gathers the next one's ahead (_start_chunk). One process, or pipeline ranks alone (each
-    holds its own layers, nothing to shard): the casts of ComputeCasts. Works on a model still on the meta device
-    (then to_empty, then init_weights)."""
+    holds its own layers, nothing to shard): the casts of ComputeCasts. Either way a parameter declared float32
+    (contract.fp32_names) computes in float32 (under FSDP2 its module's are a unit of their own: `shard`). Works on a
+    model still on the meta device (then to_empty, then init_weights)."""
     if any(p.dtype != torch.float32 for p in model.parameters()):
         raise TypeError(f"shard_model takes a float32 model (the master weights), not {next(model.parameters()).dtype}; "
                         "param_dtype sets the compute dtype")
@@ -44,7 +45,7 @@ def shard_model(model: MoeModel, parallel: Parallel, param_dtype: torch.dtype | 
         if param_dtype not in (None, torch.float32):
             ComputeCasts(param_dtype).register(model)
         return model
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # DTensor: ~0.7 s to import
+    from torch.distributed.fsdp import MixedPrecisionPolicy  # DTensor: ~0.7 s to import
     from torch.distributed.tensor import Shard
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     expert_mesh, dense_mesh = parallel.shard_mesh("dp", "cp"), parallel.shard_mesh("dp", "cp", "ep")
@@ -52,18 +53,44 @@ def shard_model(model: MoeModel, parallel: Parallel, param_dtype: torch.dtype | 
     dense = dict(mesh=dense_mesh, mp_policy=policy, reshard_after_forward=True if parallel.pp > 1 else None)
     for layer in model.layers.values():
         if layer.is_moe:   # rows (dim 1), so that each expert's slice of the stack is itself a row shard
-            fully_shard(layer.experts, mesh=expert_mesh, mp_policy=policy, shard_placement_fn=lambda p: Shard(1))
-        fully_shard(layer, **dense)
+            shard(layer.experts, mesh=expert_mesh, mp_policy=policy, shard_placement_fn=lambda p: Shard(1))
+        if shard(layer, **dense):
+            layer.fullgraph = False   # stage 1 then runs the hooks of float32 units, which dynamo does not trace
     in_layers = {id(param) for layer in model.layers.values() for param in layer.parameters()}
     owners = [module for module in model.modules() if any(id(p) not in in_layers for p in module.parameters(False))]
     for root in owners if parallel.pp > 1 else [model]:
-        fully_shard(root, **dense)
+        shard(root, **dense)
     if parallel.pp > 1:
         model.register_forward_pre_hook(_start_chunk, with_kwargs=True)
     for module in fsdp_modules(model):
         module.set_gradient_divide_factor(1.0)
         module.set_force_sum_reduction_for_comms(True)   # plain SUM: gloo has no pre-multiplied sum
     return model
+
+
+def shard(module: torch.nn.Module, mp_policy, **options) -> bool:
+    """fully_shard(module, mp_policy, **options), except for the parameters declared float32 (contract.fp32_names) of
+    the modules under it that no earlier call shards: the module owning such parameters gets a unit of its own for
+    them with a float32 policy, made after this one, which leaves them out (ignored_params: a unit made first, as FSDP2
+    nests them, would take its module's other parameters too); `module` itself, when all its parameters are declared
+    float32, is sharded with that policy. -> whether units of their own were made."""
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    fp32, owners, unheld = MixedPrecisionPolicy(reduce_dtype=torch.float32, cast_forward_inputs=False), {}, [module]
+    while unheld:
+        inner = unheld.pop()
+        if fp32_names(inner):
+            owners[inner] = {inner._parameters[name] for name in fp32_names(inner)}
+        unheld += [child for child in inner.children() if not isinstance(child, FSDPModule)]
+    kept = set().union(*owners.values())
+    if module in owners:
+        if kept != set(module.parameters()):
+            raise TypeError(f"{type(module).__name__} holds float32 parameters ({', '.join(fp32_names(module))}) and "
+                            "others, and FSDP shards it as one unit; declare them on a module inside it")
+        mp_policy, owners = fp32, {}
+    fully_shard(module, mp_policy=mp_policy, ignored_params=kept or None, **options)
+    for owner, params in owners.items():
+        fully_shard(owner, mp_policy=fp32, ignored_params=set(owner.parameters()) - params, **options)
+    return bool(owners)
 
 
 def _start_chunk(model, args, kwargs):
@@ -92,8 +119,9 @@ def _start_chunk(model, args, kwargs):
 
 
 class ComputeCasts:
-    """One process's mixed precision: for the duration of each forward of the model, every fp32 parameter
-    is swapped for its copy in dtype (as torch.func.functional_call swaps tensors in). A copy is made when
+    """One process's mixed precision: for the duration of each forward of the model, every fp32 parameter (but those
+    declared to compute in float32: contract.fp32_names) is swapped for its copy in dtype (as
+    torch.func.functional_call swaps tensors in). A copy is made when
     its parameter has changed (an optimizer step, a load) and reused by the other micro-batches of the step;
     its backward adds the gradient into the fp32 `.grad` in one pass (AddIntoGrad), where a cast in the
     graph would write an fp32 gradient and then add it. Each copy names its parameter as `grad_into`, so that
@@ -137,8 +165,9 @@ class ComputeCasts:
 
     def cast(self, model, args):
         for module in model.modules():
+            kept = fp32_names(module)   # declared to compute in float32
             for name, param in module._parameters.items():
-                if param is not None and param.dtype == torch.float32:
+                if param is not None and param.dtype == torch.float32 and name not in kept:
                     self.swapped.append((module, name, param))
                     module._parameters[name] = self.copy_of(param)
 

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pith_apps.config import config_from_dict, require
-from pith_apps.models.layers import (CausalLM, Linear, MoeDecoderLayer, RMSNorm, causal_attention,
+from pith_apps.models.layers import (CausalLM, Linear, MoeDecoderLayer, RMSNorm, causal_attention, declare,
                                      SwiGLUExperts, SwiGLUMLP, apply_rotary, default_inv_freq, rope_parameters, rotary_cos_sin,
                                      yarn_inv_freq, yarn_mscale)
 from pith_engine.context_parallel import ring_attention
@@ -182,7 +182,7 @@ class DeepseekV2Attention(nn.Module):
 class DeepseekV2Moe(nn.Module):
     def __init__(self, cfg: DeepseekV2Config, parallel: Parallel):
         super().__init__()
-        self.gate = nn.Linear(cfg.hidden_size, cfg.n_routed_experts, bias=False)
+        self.gate = declare(nn.Linear(cfg.hidden_size, cfg.n_routed_experts, bias=False), weight="normal")
         self.experts = SwiGLUExperts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, parallel)
         self.shared_experts = SwiGLUMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
 

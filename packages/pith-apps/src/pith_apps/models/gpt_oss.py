@@ -18,8 +18,8 @@ from torch import nn
 from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
 
 from pith_apps.config import config_from_dict, require
-from pith_apps.models.layers import (CausalLM, Linear, MoeDecoderLayer, LocalExperts, RMSNorm,
-                                     apply_rotary, rope_parameters, rotary_cos_sin, visible, yarn_inv_freq, yarn_mscale)
+from pith_apps.models.layers import (CausalLM, Linear, MoeDecoderLayer, LocalExperts, RMSNorm, apply_rotary, declare,
+                                     rope_parameters, rotary_cos_sin, visible, yarn_inv_freq, yarn_mscale)
 from pith_engine.context_parallel import ring_attention
 from pith_engine.moe import LoadBalance, Routing
 from pith_engine.parallel import Parallel
@@ -181,6 +181,7 @@ class GptOssAttention(nn.Module):
         self.v_proj = Linear(cfg.hidden_size, self.kv_heads * self.head_dim)
         self.o_proj = Linear(self.heads * self.head_dim, cfg.hidden_size)
         self.sinks = nn.Parameter(torch.zeros(self.heads))
+        declare(self, sinks="normal")
 
     def forward(self, x, cos, sin, docs=None):
         batch, seq, _ = x.shape
@@ -205,6 +206,8 @@ class GptOssExperts(LocalExperts):
         self.gate_up_proj_bias = nn.Parameter(torch.zeros(experts, 2 * inter))
         self.down_proj = nn.Parameter(torch.empty(experts, hidden, inter))
         self.down_proj_bias = nn.Parameter(torch.zeros(experts, hidden))
+        declare(self, gate_up_proj="normal_per_expert", down_proj="normal_per_expert", gate_up_proj_bias="zeros",
+                down_proj_bias="zeros")
 
     def forward(self, x, tokens_per_expert):
         gate_up = grouped_linear(x, self.gate_up_proj, tokens_per_expert, self.wgrad_queue, self.wgrad_pairs,
@@ -227,7 +230,7 @@ class GptOssExperts(LocalExperts):
 class GptOssSparseBlock(nn.Module):
     def __init__(self, cfg: GptOssConfig, parallel: Parallel):
         super().__init__()
-        self.router = nn.Linear(cfg.hidden_size, cfg.num_local_experts)
+        self.router = declare(nn.Linear(cfg.hidden_size, cfg.num_local_experts), weight="normal", bias="normal")
         self.experts = GptOssExperts(cfg, parallel)
 
 

@@ -1,10 +1,12 @@
-"""Building blocks that several model families use in exactly the same way: RMSNorm, rotary embeddings
-(plain and YaRN), the stacked SwiGLU experts of Qwen3-MoE and DeepSeek-V2, and the top-level model's
-init / logits / loss / Hugging Face views. Each model file still instantiates its own layers from these;
-anything a family does differently stays in its own file."""
+"""Building blocks that several model families use in exactly the same way: how a module declares its parameters
+(`declare`), RMSNorm, rotary embeddings (plain and YaRN), the stacked SwiGLU experts of Qwen3-MoE and DeepSeek-V2,
+and the top-level model's init / logits / loss / Hugging Face views. Each model file still instantiates its own
+layers from these; anything a family does differently stays in its own file."""
 import functools
 import math
 import zlib
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +21,33 @@ from pith_engine.data_parallel import embedding, local_part, this_ranks_part
 from pith_engine.moe import run_moe_layer
 from pith_engine.parallel import LayoutError, Parallel
 
+RULES = ("normal", "zeros", "ones", "normal_per_expert")
+
+
+@dataclass(frozen=True)
+class Declared:
+    """How one parameter starts (`rule`), whether Hugging Face files hold it (`hf`), whether it computes in float32
+    whatever the compute dtype (`fp32`)."""
+    rule: str | Callable
+    hf: bool = True
+    fp32: bool = False
+
+
+def declare(module: nn.Module, hf: bool = True, fp32: bool = False, **rules) -> nn.Module:
+    """Declare how module's own parameters start, by name: "normal" (normal(0, initializer_range)), "zeros", "ones",
+    "normal_per_expert" (an experts module's stack, each expert drawn alone) or a function of the normal draw
+    returning the full tensor; `CausalLM.init_weights` draws each from (seed, its full name), the same under every
+    layout. Kept on the module (`declared`), not on the Parameter objects, which to_empty and FSDP2 replace; a name
+    without a parameter (nn.Linear's bias=False) is skipped. hf=False: Hugging Face files may lack the parameters (at
+    --init they keep this start, said in one line; exports write them, so our own folders round-trip).
+    fp32=True: they compute in float32 under a bf16 compute dtype too (pith_engine.contract.fp32_names). -> module."""
+    bad = [name for name, rule in rules.items() if not (callable(rule) or rule in RULES)]
+    if bad:
+        raise ValueError(f"declare({type(module).__name__}, {bad[0]}={rules[bad[0]]!r}): not a rule; valid: "
+                         f"{', '.join(RULES)}, or a function of the draw")
+    vars(module).setdefault("declared", {}).update({name: Declared(rule, hf, fp32) for name, rule in rules.items()})
+    return module
+
 
 class RMSNorm(nn.Module):
     """Normalize in fp32. Qwen3 and DeepSeek cast back to the input dtype before the weight multiply;
@@ -28,6 +57,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps, self.scale_in_fp32 = eps, scale_in_fp32
+        declare(self, weight="ones")
 
     def forward(self, x):
         x32 = x.float()
@@ -187,6 +217,7 @@ class SwiGLUExperts(LocalExperts):
         self.inter = inter
         self.gate_up_proj = nn.Parameter(torch.empty(self.local_experts, 2 * inter, hidden))
         self.down_proj = nn.Parameter(torch.empty(self.local_experts, hidden, inter))
+        declare(self, gate_up_proj="normal_per_expert", down_proj="normal_per_expert")
 
     def forward(self, x, tokens_per_expert):
         gate_up = grouped_linear(x, self.gate_up_proj, tokens_per_expert, self.wgrad_queue, self.wgrad_pairs,
@@ -208,8 +239,13 @@ class Linear(nn.Linear):
     backward computes the input gradient and queues the weight's (deferred_linear). Given an Fp8WeightCache
     (`fp8`, use_fp8), its GEMMs run in FP8 (fp8_linear). Inside torch.compile, whose backward is one graph (a
     closure cannot be queued from it, nor a Python cache read), the weight gradient is not deferred, and under FP8 the
-    GEMMs run through traced_fp8_linear, which quantizes the weight at each use."""
+    GEMMs run through traced_fp8_linear, which quantizes the weight at each use. The weight starts normal, the bias
+    at 0."""
     wgrad_queue = fp8 = None
+
+    def __init__(self, inputs: int, outputs: int, bias: bool = True):
+        super().__init__(inputs, outputs, bias)
+        declare(self, weight="normal", bias="zeros")
 
     def forward(self, x):
         compiling = torch.compiler.is_compiling()
@@ -297,34 +333,42 @@ class CausalLM(nn.Module):
         self.config, self.parallel = cfg, parallel
         held = range(cfg.num_hidden_layers) if held_layers is None else sorted(held_layers)
         last = cfg.num_hidden_layers - 1
-        trunk = dict(embed_tokens=Embedding(cfg.vocab_size, cfg.hidden_size)) if 0 in held else {}
+        trunk = {}
+        if 0 in held:
+            trunk["embed_tokens"] = declare(Embedding(cfg.vocab_size, cfg.hidden_size), weight="normal")
         trunk["layers"] = nn.ModuleDict({str(n): make_layer(n) for n in held})   # names as the files': layers.N.
         self.model = nn.ModuleDict(trunk | (dict(norm=norm) if last in held else {}))
-        self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size, bias=False) if last in held else None
+        self.lm_head = None
+        if last in held:
+            self.lm_head = declare(LMHead(cfg.hidden_size, cfg.vocab_size, bias=False), weight="normal")
         self.wgrad_pairs = None   # pith_engine.data_parallel.pair_expert_wgrads
 
     @torch.no_grad()
     def init_weights(self, seed: int):
-        """Norm weights 1, biases 0 (the router's drawn like weights), everything else normal(0, initializer_range),
-        each tensor (each expert of a stack) drawn on the parameter's device from its own seed and name, so that
-        every parallel layout starts from the same weights; a rank keeps only its part of each. Buffers (the
-        load-balancing state) start at 0. For a model built on the meta device, call after to_empty."""
+        """Each parameter as its module declares (`declare`), drawn on the parameter's device from its own seed and
+        full name (each expert of a stack from its own), so that every parallel layout starts from the same weights;
+        a rank keeps only its part of each. Buffers (the load-balancing state) start at 0. For a model built on the
+        meta device, call after to_empty."""
         def draw(key: str, shape, device):
             generator = torch.Generator(device).manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
             return torch.randn(shape, generator=generator, device=device) * self.config.initializer_range
 
-        for name, param in self.named_parameters():
-            if name.endswith("norm.weight"):
-                local_part(param).fill_(1.0)
-            elif name.endswith("bias") and ".router." not in name:
-                local_part(param).zero_()
-            elif ".mlp.experts." in name:
-                experts = self.get_submodule(name.rsplit(".", 1)[0])
-                full = torch.stack([draw(f"{name}.{experts.first_expert + e}", param.shape[1:], param.device)
-                                    for e in range(param.shape[0])])
+        for prefix, module in self.named_modules():
+            for key, param in module.named_parameters(recurse=False):
+                name, declared = f"{prefix}.{key}" if prefix else key, getattr(module, "declared", {}).get(key)
+                if declared is None:
+                    raise TypeError(f"parameter {name} of {type(module).__name__} declares no start; declare it where "
+                                    "it is made (pith_apps.models.layers.declare)")
+                if declared.rule in ("zeros", "ones"):
+                    local_part(param).fill_(float(declared.rule == "ones"))
+                    continue
+                if declared.rule == "normal_per_expert":
+                    full = torch.stack([draw(f"{name}.{module.first_expert + e}", param.shape[1:], param.device)
+                                        for e in range(param.shape[0])])
+                else:
+                    full = draw(name, param.shape, param.device)
+                    full = full if declared.rule == "normal" else declared.rule(full)
                 local_part(param).copy_(this_ranks_part(full, param))
-            else:
-                local_part(param).copy_(this_ranks_part(draw(name, param.shape, param.device), param))
         for buffer in self.buffers():
             buffer.zero_()
 
@@ -369,9 +413,8 @@ class CausalLM(nn.Module):
     def hf_views(self):
         """(Hugging Face tensor name, view of the parameter holding it): import copies into the views, export
         reads them. Each experts module says how its stacked weights appear in the files."""
-        for name, param in self.named_parameters():
-            if ".mlp.experts." not in name:
-                yield name, param
-        for n, layer in self.layers.items():
-            if hasattr(layer.mlp, "experts"):
-                yield from layer.mlp.experts.hf_views(f"model.layers.{n}.mlp.experts")
+        for prefix, module in self.named_modules():
+            if isinstance(module, LocalExperts):
+                yield from module.hf_views(prefix)
+            else:
+                yield from module.named_parameters(prefix, recurse=False)

@@ -22,10 +22,9 @@ from torch import nn
 
 from pith_apps.config import config_from_dict, qwen3_5_layer_types, require, text_config
 from pith_apps.models.layers import (CausalLM, Linear, MoeDecoderLayer, SwiGLUExperts, SwiGLUMLP, apply_rotary,
-                                     causal_attention, default_inv_freq, document_starts, rope_parameters,
+                                     causal_attention, declare, default_inv_freq, document_starts, rope_parameters,
                                      rotary_cos_sin)
 from pith_engine.context_parallel import zigzag_affine_carries, zigzag_previous
-from pith_engine.data_parallel import local_part, this_ranks_part
 from pith_engine.moe import LoadBalance, Routing
 from pith_engine.parallel import Parallel
 from pith_ops.gated_delta import gated_delta, gated_delta_from_unknown_state
@@ -91,12 +90,12 @@ class Qwen3_5MoeConfig:
 
 class ZeroCenteredRMSNorm(nn.Module):
     """x / rms(x) * (1 + weight), in fp32 (or wider), cast back to the input dtype; the weight starts at 0."""
-    zero_centered = True
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(dim))
         self.eps = eps
+        declare(self, weight="zeros")
 
     def forward(self, x):
         wide = torch.promote_types(x.dtype, torch.float32)
@@ -112,6 +111,7 @@ class GatedRMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        declare(self, weight="ones")
 
     def forward(self, x, gate):
         wide = torch.promote_types(x.dtype, torch.float32)
@@ -131,10 +131,12 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_z = Linear(cfg.hidden_size, self.v_heads * self.v_dim, bias=False)
         self.in_proj_b = Linear(cfg.hidden_size, self.v_heads, bias=False)
         self.in_proj_a = Linear(cfg.hidden_size, self.v_heads, bias=False)
-        self.conv1d = nn.Conv1d(channels, channels, cfg.linear_conv_kernel_dim, groups=channels, bias=False)
+        self.conv1d = declare(nn.Conv1d(channels, channels, cfg.linear_conv_kernel_dim, groups=channels, bias=False),
+                              weight="normal")
         self.taps = cfg.linear_conv_kernel_dim
         self.dt_bias = nn.Parameter(torch.ones(self.v_heads))
-        self.A_log = nn.Parameter(torch.zeros(self.v_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.v_heads))   # the log of the decay rates A, spread over [1, 16]
+        declare(self, dt_bias="ones", A_log=lambda draw: torch.linspace(1, 16, len(draw), device=draw.device).log())
         self.norm = GatedRMSNorm(self.v_dim, cfg.rms_norm_eps)
         self.out_proj = Linear(self.v_heads * self.v_dim, cfg.hidden_size, bias=False)
 
@@ -218,10 +220,10 @@ class GatedAttention(nn.Module):
 class Qwen3_5MoeSparseBlock(nn.Module):
     def __init__(self, cfg: Qwen3_5MoeConfig, parallel: Parallel):
         super().__init__()
-        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.gate = declare(nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False), weight="normal")
         self.experts = SwiGLUExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, parallel)
         self.shared_expert = SwiGLUMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
-        self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+        self.shared_expert_gate = declare(nn.Linear(cfg.hidden_size, 1, bias=False), weight="normal")
 
 
 class Qwen3_5MoeDecoderLayer(MoeDecoderLayer):
@@ -264,19 +266,6 @@ class Qwen3_5MoeForCausalLM(CausalLM):
         the layer numbers this process builds (CausalLM)."""
         super().__init__(cfg, lambda n: Qwen3_5MoeDecoderLayer(cfg, cfg.layer_types[n], parallel, balance, micro_batches),
                          ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps), held_layers, parallel)
-
-    @torch.no_grad()
-    def init_weights(self, seed: int):
-        """CausalLM's, then the zero-centered norms at 0 and each linear-attention layer's decay rates A spread
-        over [1, 16] (A_log their log), its dt_bias at 1."""
-        super().init_weights(seed)
-        for module in self.modules():
-            if getattr(module, "zero_centered", False):
-                local_part(module.weight).zero_()
-            if isinstance(module, GatedDeltaNet):
-                rates = torch.linspace(1, 16, module.v_heads, device=module.A_log.device)
-                local_part(module.A_log).copy_(this_ranks_part(rates.log(), module.A_log))
-                local_part(module.dt_bias).fill_(1.0)
 
     def layer_args(self, positions, docs, dtype):
         rotary = int(self.config.head_dim * self.config.partial_rotary_factor)

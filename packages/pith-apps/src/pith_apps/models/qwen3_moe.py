@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from pith_apps.config import config_from_dict, require
-from pith_apps.models.layers import (CausalLM, Linear, MoeDecoderLayer, RMSNorm, causal_attention,
+from pith_apps.models.layers import (CausalLM, Linear, MoeDecoderLayer, RMSNorm, causal_attention, declare,
                                      SwiGLUExperts, apply_rotary, default_inv_freq, rope_parameters, rotary_cos_sin)
 from pith_engine.moe import LoadBalance, Routing
 from pith_engine.parallel import Parallel
@@ -90,7 +90,7 @@ class Qwen3MoeAttention(nn.Module):
 class Qwen3MoeSparseBlock(nn.Module):
     def __init__(self, cfg: Qwen3MoeConfig, parallel: Parallel):
         super().__init__()
-        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.gate = declare(nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False), weight="normal")
         self.experts = SwiGLUExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, parallel)
 
 
