@@ -102,7 +102,7 @@ def check_pipeline(parallel, count, overlap, recompute="none"):
 
 
 LAYOUTS = {2: [dict(pp=2)],
-           4: [dict(pp=4), dict(pp=2, ep=2), dict(pp=2, dp=2), dict(pp=2, dp=2, dp_replicate=2)],
+           4: [dict(pp=4), dict(pp=2, ep=2), dict(pp=2, dp=2), dict(pp=2, dp=2, dp_replicate=2), dict(pp=2, cp=2)],
            8: [dict(pp=8), dict(pp=4, ep=2), dict(pp=4, dp=2), dict(pp=2, cp=2, ep=2)]}
 
 
