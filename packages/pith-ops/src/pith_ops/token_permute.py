@@ -292,9 +292,8 @@ class _Combine(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         expert_out, weights, order, inverse = ctx.saved_tensors
-        if expert_out is None:   # each row's token's gradient times its weight (0 for an absent slot's row)
-            here = inverse[order] == torch.arange(order.numel(), device=order.device)
-            rows = _gather(grad, order, order, ctx.top_k) * torch.where(here, weights.flatten()[order], 0).unsqueeze(-1)
+        if expert_out is None:   # each row's token's gradient times its weight (an absent slot's row: unread, as
+            rows = _gather(grad, order, order, ctx.top_k) * weights.flatten()[order].unsqueeze(-1)   # past the ranges)
             return rows.to(grad.dtype), None, None, None, None
         return *_combine_backward(grad, expert_out, order, inverse, weights, ctx.top_k), None, None, None
 

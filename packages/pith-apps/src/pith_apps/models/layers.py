@@ -303,7 +303,11 @@ def hidden_matrices(model: nn.Module) -> dict[str, list[nn.Parameter]]:
 
 class Embedding(nn.Embedding):
     """nn.Embedding whose gradient, under one-process mixed precision on CUDA, goes row by row into the fp32
-    master gradient (pith_engine.data_parallel.embedding)."""
+    master gradient (pith_engine.data_parallel.embedding). Its weight starts normal."""
+
+    def __init__(self, vocab: int, hidden: int):
+        super().__init__(vocab, hidden)
+        declare(self, weight="normal")
 
     def forward(self, ids):
         return embedding(ids, self.weight)
@@ -311,7 +315,11 @@ class Embedding(nn.Embedding):
 
 class LMHead(nn.Linear):
     """The logits, or with labels the token-summed fp32 cross-entropy without materializing them; the loss too
-    is a call of this module, for FSDP to gather its weight around."""
+    is a call of this module, for FSDP to gather its weight around. Its weight starts normal."""
+
+    def __init__(self, hidden: int, vocab: int):
+        super().__init__(hidden, vocab, bias=False)
+        declare(self, weight="normal")
 
     def forward(self, x, labels=None):
         if labels is None:
@@ -333,14 +341,10 @@ class CausalLM(nn.Module):
         self.config, self.parallel = cfg, parallel
         held = range(cfg.num_hidden_layers) if held_layers is None else sorted(held_layers)
         last = cfg.num_hidden_layers - 1
-        trunk = {}
-        if 0 in held:
-            trunk["embed_tokens"] = declare(Embedding(cfg.vocab_size, cfg.hidden_size), weight="normal")
+        trunk = dict(embed_tokens=Embedding(cfg.vocab_size, cfg.hidden_size)) if 0 in held else {}
         trunk["layers"] = nn.ModuleDict({str(n): make_layer(n) for n in held})   # names as the files': layers.N.
         self.model = nn.ModuleDict(trunk | (dict(norm=norm) if last in held else {}))
-        self.lm_head = None
-        if last in held:
-            self.lm_head = declare(LMHead(cfg.hidden_size, cfg.vocab_size, bias=False), weight="normal")
+        self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size) if last in held else None
         self.wgrad_pairs = None   # pith_engine.data_parallel.pair_expert_wgrads
 
     @torch.no_grad()
